@@ -1,0 +1,1 @@
+# Ships the C++ sources as package data (fastzero._csrc) for the just-in-time build.

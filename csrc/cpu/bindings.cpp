@@ -1,0 +1,69 @@
+// Python bindings of the CPU kernels: plain integers for pointers, sizes and
+// dtype codes. Python (fastzero/ops) checks tensors before calling; the
+// checks here only keep a wrong call from reaching a kernel.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "adam.h"
+#include "stream.h"
+
+namespace py = pybind11;
+
+namespace {
+
+fz::Isa checked_isa(int isa) {
+  if (isa < fz::kScalar || isa > fz::best_isa())
+    throw std::invalid_argument("ISA code " + std::to_string(isa) +
+                                " is not supported by this CPU (best: " +
+                                std::to_string(int(fz::best_isa())) + ")");
+  return fz::Isa(isa);
+}
+
+void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
+          const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
+          const std::vector<uintptr_t>& copy, const std::vector<int64_t>& numel, int p_dtype,
+          int g_dtype, int s_dtype, int c_dtype, double beta1, double beta2, double eps,
+          double step_size, double bc2_rsqrt, double decay, double l2, double inv_grad_scale,
+          int num_threads) {
+  const size_t n = numel.size();
+  if (p.size() != n || g.size() != n || m.size() != n || v.size() != n ||
+      (!copy.empty() && copy.size() != n) || (copy.empty() != (c_dtype == fz::kNone)))
+    throw std::invalid_argument("adam: tensor lists differ in length");
+  for (int64_t k : numel)
+    if (k < 0) throw std::invalid_argument("adam: negative element count");
+  fz::AdamSegmentFn fn = fz::adam_segment_fn(checked_isa(isa), p_dtype, g_dtype, s_dtype, c_dtype);
+  if (fn == nullptr)
+    throw std::invalid_argument("adam: no kernel for dtype codes param=" + std::to_string(p_dtype) +
+                                " grad=" + std::to_string(g_dtype) + " state=" +
+                                std::to_string(s_dtype) + " copy=" + std::to_string(c_dtype));
+  const fz::AdamHyper h{float(beta1), float(beta2), float(1.0 - beta1), float(1.0 - beta2),
+                        float(eps), float(step_size), float(bc2_rsqrt), float(decay), float(l2),
+                        float(inv_grad_scale)};
+  py::gil_scoped_release release;
+  fz::adam_multi_tensor(fn, p, g, m, v, copy, numel, p_dtype, g_dtype, s_dtype, c_dtype, h,
+                        num_threads);
+}
+
+void stream_update(int isa, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int64_t n,
+                   double s, int num_threads) {
+  if (n < 0) throw std::invalid_argument("stream_update: negative element count");
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::stream_update(checked, reinterpret_cast<float*>(a), reinterpret_cast<const float*>(b),
+                    reinterpret_cast<float*>(c), reinterpret_cast<float*>(d), n, float(s),
+                    num_threads);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_ops, m) {
+  m.doc() = "fastzero CPU kernels (SIMD + threads), torch-free";
+  m.def("best_isa", [] { return int(fz::best_isa()); },
+        "Best instruction set of this CPU: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512.");
+  m.def("adam", &adam, "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h).");
+  m.def("stream_update", &stream_update,
+        "Bandwidth probe: a += s*b, c += s*b, d += s*b over fp32 arrays.");
+}

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()
+def adam_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    adamw_mode: bool = True,
+    grad_scale: float | None = None,
+    param_copies: list[Tensor] | None = None,
+) -> None:
+    r"""One Adam/AdamW step, in fp32 whatever the storage dtypes, in place.
+
+    .. math::
+        g &\leftarrow g / s \qquad (s = \text{grad\_scale}, 1 \text{ if None}) \\
+        p &\leftarrow p\,(1 - \text{lr}\cdot\text{wd}) \text{ (AdamW) } \quad\text{or}\quad
+            g \leftarrow g + \text{wd}\cdot p \text{ (Adam)} \\
+        m &\leftarrow \beta_1 m + (1-\beta_1) g \qquad
+        v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        p &\leftarrow p - \text{lr}\,\frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon}
+            \qquad bc_i = 1 - \beta_i^{t} \text{ (1 without bias correction)}
+
+    ``param_copies`` (optional) receive the updated params in their own dtype.
+    """
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    copies = param_copies if param_copies is not None else [None] * len(params)
+    for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
+        g32 = g.float() if grad_scale is None else g.float() / grad_scale
+        p32 = p.float().clone()
+        if adamw_mode:
+            p32.mul_(1.0 - lr * weight_decay)
+        else:
+            g32 = g32 + weight_decay * p32
+        m32 = m.float() * beta1 + (1.0 - beta1) * g32
+        v32 = v.float() * beta2 + (1.0 - beta2) * g32 * g32
+        denom = v32.sqrt() / math.sqrt(bc2) + eps
+        p32.addcdiv_(m32, denom, value=-lr / bc1)
+        p.copy_(p32)
+        m.copy_(m32)
+        v.copy_(v32)
+        if c is not None:
+            c.copy_(p32)

@@ -1,0 +1,95 @@
+"""How the native kernels are found: the install-time build, the
+just-in-time build, and the reference fallback with one warning."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from fastzero import native_build
+from fastzero.ops import CPUAdam, backend, backends, native, report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_native_code_includes_no_pytorch_header():
+    src = native_build.source_dir()
+    for path in src.iterdir():
+        text = path.read_text()
+        assert "torch/" not in text and "ATen" not in text and "c10/" not in text, path
+
+
+def test_report_lists_every_backend():
+    rows = backends()
+    assert {(r.op, r.backend) for r in rows} >= {("CPUAdam", "cpu"), ("CPUAdam", "reference")}
+    text = report()
+    assert "CPUAdam" in text and "reference" in text
+    out = subprocess.run([sys.executable, "-m", "fastzero.ops"], capture_output=True, text=True, check=True)
+    assert "CPUAdam" in out.stdout
+
+
+def test_fallback_to_reference_warns_once_and_names_the_cause(monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: (None, "no C++ compiler found"))
+    monkeypatch.setattr(backend, "_warned", set())
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    opt = CPUAdam([p])
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # no second warning
+    assert opt.backend == "reference"
+    assert not next(r for r in backends() if r.backend == "cpu").available
+
+
+def test_forcing_cpu_without_kernels_is_an_error(monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: (None, "no C++ compiler found"))
+    monkeypatch.setenv("FASTZERO_BACKEND", "cpu")
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.randn(5)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler found"):
+        CPUAdam([p]).step()
+
+
+def test_just_in_time_build_into_a_cache(tmp_path):
+    """Without the prebuilt extension, the first use builds it with ninja."""
+    code = (
+        "import sys, torch\n"
+        "sys.modules['fastzero._cpu_ops'] = None  # hide the install-time build\n"
+        "from fastzero.ops import CPUAdam, native\n"
+        "p = torch.nn.Parameter(torch.randn(100)); p.grad = torch.randn(100)\n"
+        "opt = CPUAdam([p]); opt.step()\n"
+        "print(opt.backend, native.cpu_ops().__file__)\n"
+    )
+    env = dict(os.environ, FASTZERO_CACHE_DIR=str(tmp_path), PYTHONWARNINGS="error::RuntimeWarning")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("cpu:") and str(tmp_path) in out.stdout
+
+
+def test_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing to find
+    monkeypatch.setenv("FASTZERO_CACHE_DIR", str(tmp_path))
+    with pytest.raises(native_build.BuildError, match="no C\\+\\+ compiler"):
+        native_build.jit_build()
+
+
+def test_triton_kernels_live_inside_fastzero(tmp_path):
+    """Installed, our Triton kernels are fastzero.triton_kernels; a top-level
+    `triton_kernels` (the Triton project's) is never ours. Checked from
+    another folder, so that the source tree is not on sys.path."""
+    code = (
+        "import importlib.util, fastzero.triton_kernels as t\n"
+        "spec = importlib.util.find_spec('triton_kernels')\n"
+        "print(t.__name__, spec.origin if spec else None)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, check=True)
+    name, origin = out.stdout.split()
+    assert name == "fastzero.triton_kernels"
+    assert origin == "None" or not origin.startswith(REPO), origin
