@@ -47,7 +47,7 @@ def extensions():
             sources=[f"csrc/cpu/{s}" for s in build["SOURCES"]],
             include_dirs=["csrc/cpu"],
             extra_compile_args=list(build["CXXFLAGS"]),
-            extra_link_args=["-pthread"],
+            extra_link_args=[f for f in build["LDFLAGS"] if f != "-shared"],
             cxx_std=17,
         )
     ]

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 MODULE = "_cpu_ops"
-SOURCES = ("adam.cpp", "stream.cpp", "parallel.cpp", "cpu_features.cpp", "bindings.cpp")
+SOURCES = ("adam.cpp", "stream.cpp", "cpu_features.cpp", "bindings.cpp")
 # No -march=native: the kernels pick their instruction set at run time.
 CXXFLAGS = (
     "-O3",
@@ -26,10 +26,11 @@ CXXFLAGS = (
     "-fPIC",
     "-fvisibility=hidden",
     "-fno-math-errno",
+    "-fopenmp",  # shares torch's libgomp (csrc/cpu/parallel.h says why)
     "-Wall",
     "-Wno-maybe-uninitialized",  # GCC 12 false positive inside avx512fintrin.h
 )
-LDFLAGS = ("-shared", "-pthread")
+LDFLAGS = ("-shared", "-pthread", "-fopenmp")
 
 
 class BuildError(RuntimeError):

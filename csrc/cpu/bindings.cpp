@@ -47,14 +47,17 @@ void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>
                         num_threads);
 }
 
-void stream_update(int isa, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, int64_t n,
-                   double s, int num_threads) {
-  if (n < 0) throw std::invalid_argument("stream_update: negative element count");
+void stream_update(int isa, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
+                   const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d,
+                   const std::vector<int64_t>& numel, double s, int num_threads) {
+  const size_t n = numel.size();
+  if (a.size() != n || b.size() != n || c.size() != n || d.size() != n)
+    throw std::invalid_argument("stream_update: tensor lists differ in length");
+  for (int64_t k : numel)
+    if (k < 0) throw std::invalid_argument("stream_update: negative element count");
   const fz::Isa checked = checked_isa(isa);
   py::gil_scoped_release release;
-  fz::stream_update(checked, reinterpret_cast<float*>(a), reinterpret_cast<const float*>(b),
-                    reinterpret_cast<float*>(c), reinterpret_cast<float*>(d), n, float(s),
-                    num_threads);
+  fz::stream_update(checked, a, b, c, d, numel, float(s), num_threads);
 }
 
 }  // namespace
@@ -65,5 +68,5 @@ PYBIND11_MODULE(_cpu_ops, m) {
         "Best instruction set of this CPU: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512.");
   m.def("adam", &adam, "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h).");
   m.def("stream_update", &stream_update,
-        "Bandwidth probe: a += s*b, c += s*b, d += s*b over fp32 arrays.");
+        "Bandwidth probe: a += s*b, c += s*b, d += s*b over lists of fp32 tensors.");
 }

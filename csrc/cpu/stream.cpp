@@ -11,8 +11,9 @@
 
 namespace fz {
 
-bool stream_update(Isa isa, float* a, const float* b, float* c, float* d, int64_t n, float s,
-                   int num_threads) {
+bool stream_update(Isa isa, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
+                   const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d,
+                   const std::vector<int64_t>& numel, float s, int num_threads) {
   using Fn = void (*)(float*, const float*, float*, float*, int64_t, float);
   Fn fn = nullptr;
   switch (isa) {
@@ -23,8 +24,9 @@ bool stream_update(Isa isa, float* a, const float* b, float* c, float* d, int64_
     case kScalar: fn = &scalar::stream_segment; break;
     default: return false;
   }
-  for_each_segment({n}, num_threads, [&](size_t, int64_t off, int64_t len) {
-    fn(a + off, b + off, c + off, d + off, len, s);
+  auto at = [](uintptr_t base, int64_t off) { return reinterpret_cast<float*>(base) + off; };
+  for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t len) {
+    fn(at(a[t], off), at(b[t], off), at(c[t], off), at(d[t], off), len, s);
   });
   return true;
 }

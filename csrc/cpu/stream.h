@@ -8,9 +8,12 @@
 
 namespace fz {
 
-// a += s*b; c += s*b; d += s*b over n fp32 elements, split across threads as
-// the Adam kernel splits its work. Returns false if `isa` was not built.
-bool stream_update(Isa isa, float* a, const float* b, float* c, float* d, int64_t n, float s,
-                   int num_threads);
+// a += s*b; c += s*b; d += s*b over lists of fp32 tensors, split across
+// threads as the Adam kernel splits its work (so a probe over the same
+// tensors as an Adam step sees the same memory layout). Returns false if
+// `isa` was not built.
+bool stream_update(Isa isa, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
+                   const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d,
+                   const std::vector<int64_t>& numel, float s, int num_threads);
 
 }  // namespace fz

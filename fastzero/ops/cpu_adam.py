@@ -26,6 +26,7 @@ from fastzero.ops.checks import (
 )
 
 _GPU_HINT = "; for GPU parameters use fastzero.ops.FusedAdam"
+_DTYPES = frozenset(native.DTYPE_CODES)
 
 
 def cpu_adam_step(
@@ -91,8 +92,17 @@ def cpu_adam_step(
                     "copies of fp32 master params"
                 )
 
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    return _launch(
+        params, grads, exp_avgs, exp_avg_sqs, param_copies, step=step, lr=lr, beta1=beta1, beta2=beta2,
+        eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, adamw_mode=adamw_mode,
+        grad_scale=grad_scale,
+    )  # fmt: skip
+
+
+def _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, *, step, lr, beta1, beta2, eps, weight_decay,
+            bias_correction, adamw_mode, grad_scale) -> str:  # fmt: skip
+    """Runs checked lists: one native call per dtype combination, each one
+    multi-tensor pass; or the reference."""
     backend = cpu_backend("CPUAdam")
     if backend == "reference":
         reference.adam_step(
@@ -101,28 +111,28 @@ def cpu_adam_step(
             grad_scale=grad_scale, param_copies=param_copies,
         )  # fmt: skip
         return backend
-
     ops, isa = native.cpu_ops(), native.cpu_isa()
     codes = native.DTYPE_CODES
-    # One native call per dtype combination; each is one multi-tensor pass.
-    groups: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
-    for i in range(n):
-        c_code = native.NO_DTYPE if param_copies is None else codes[param_copies[i].dtype]
-        groups[(codes[params[i].dtype], codes[grads[i].dtype], codes[exp_avgs[i].dtype], c_code)].append(i)
+    batches: dict[tuple, list[int]] = defaultdict(list)
+    copy_dtypes = [None] * len(params) if param_copies is None else [c.dtype for c in param_copies]
+    for i, (p, g, m, c) in enumerate(zip(params, grads, exp_avgs, copy_dtypes)):
+        batches[(p.dtype, g.dtype, m.dtype, c)].append(i)
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
     threads = torch.get_num_threads()
-    for (p_code, g_code, s_code, c_code), idx in groups.items():
+    for (p_dtype, g_dtype, s_dtype, c_dtype), idx in batches.items():
         ops.adam(
             native.ISA_NAMES.index(isa),
             [params[i].data_ptr() for i in idx],
             [grads[i].data_ptr() for i in idx],
             [exp_avgs[i].data_ptr() for i in idx],
             [exp_avg_sqs[i].data_ptr() for i in idx],
-            [] if param_copies is None else [param_copies[i].data_ptr() for i in idx],
+            [] if c_dtype is None else [param_copies[i].data_ptr() for i in idx],
             [params[i].numel() for i in idx],
-            p_code, g_code, s_code, c_code,
+            codes[p_dtype], codes[g_dtype], codes[s_dtype], codes.get(c_dtype, native.NO_DTYPE),
             beta1, beta2, eps,
-            lr / bc1,                          # step_size
-            1.0 / math.sqrt(bc2),              # bc2_rsqrt
+            lr / bc1,                                        # step_size
+            1.0 / math.sqrt(bc2),                            # bc2_rsqrt
             1.0 - lr * weight_decay if adamw_mode else 1.0,  # decay
             0.0 if adamw_mode else weight_decay,             # l2
             1.0 if grad_scale is None else 1.0 / grad_scale,
@@ -208,32 +218,37 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"param group {gi} sets amsgrad=True; CPUAdam does not implement amsgrad")
             params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
             staged: list[tuple[Tensor, Tensor]] = []  # (param, contiguous copy) to write back
+            # The per-param work here is what a step with hundreds of tensors
+            # pays in Python: only what torch does not already guarantee (a
+            # grad's shape and device match its param's) is checked, and any
+            # doubt falls through to the full checks for a precise error.
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                what = f"param {pi} of group {gi}"
-                check_cpu_tensor(p, what, gpu_hint=_GPU_HINT)
-                check_cpu_tensor(p.grad, f"the grad of {what}", gpu_hint=_GPU_HINT)
-                check_same_size(p.grad, p, f"the grad of {what}", what)
+                if not (p.is_cpu and p.dtype in _DTYPES and g.dtype in _DTYPES and g.layout == torch.strided):
+                    what = f"param {pi} of group {gi}"
+                    check_cpu_tensor(p, what, gpu_hint=_GPU_HINT)
+                    check_cpu_tensor(g, f"the grad of {what}", gpu_hint=_GPU_HINT)
                 state = self.state[p]
-                if "exp_avg" not in state:
+                if not state:
                     state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype(p), memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-                data = p.detach()
-                if not data.is_contiguous():
-                    data = data.contiguous()
+                if not p.is_contiguous():
+                    data = p.detach().contiguous()
                     staged.append((p, data))
-                params.append(data)
-                grads.append(p.grad.contiguous())
+                    p = data
+                params.append(p)
+                grads.append(g if g.is_contiguous() else g.contiguous())
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
             if not params:
                 continue
             group["step"] = group.get("step", 0) + 1
-            cpu_adam_step(
-                params, grads, exp_avgs, exp_avg_sqs, step=group["step"], lr=group["lr"],
-                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                bias_correction=group["bias_correction"], adamw_mode=group["adamw_mode"],
+            _launch(
+                params, grads, exp_avgs, exp_avg_sqs, None, step=group["step"], lr=group["lr"], beta1=beta1,
+                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"], adamw_mode=group["adamw_mode"], grad_scale=None,
             )  # fmt: skip
             for p, data in staged:
                 p.detach().copy_(data)

@@ -1,0 +1,1 @@
+"""fastzero's benchmark suite: ``python -m bench.run --kernel NAME``."""

@@ -1,0 +1,60 @@
+"""A regression verdict: the normalized figures of a run (fraction of the
+bandwidth roofline, speedup over each peer; never raw times) against a
+stored baseline.
+
+Tolerance: DEFAULT_TOLERANCE, calibrated on the 2-core development machine
+by running ``python -m bench.run --all --quick`` repeatedly (see
+bench/baselines/README.md): the largest drop of any gated figure between
+those runs, with a margin. A real 25% slowdown of a fastzero kernel lowers
+its gated figures to 1/1.25 = 0.80 of their value, a 20% drop, well past the
+tolerance; `tests/test_bench.py` proves the gate catches it with
+``--inject-slowdown 1.25``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_TOLERANCE = 0.12
+GATED_PREFIXES = ("frac_roofline", "speedup_vs_")
+
+
+@dataclass
+class Check:
+    kernel: str
+    case: str
+    provider: str
+    metric: str
+    baseline: float
+    current: float | None
+
+    @property
+    def change(self) -> float | None:
+        return None if self.current is None else self.current / self.baseline - 1.0
+
+    def status(self, tolerance: float) -> str:
+        if self.current is None:
+            return "missing"
+        return "REGRESSION" if self.change < -tolerance else "ok"
+
+
+def gated(row: dict) -> bool:
+    return row["provider"] == "fastzero" and row["metric"].startswith(GATED_PREFIXES) and row["value"]
+
+
+def compare(current: dict, baseline: dict) -> list[Check]:
+    """Every gated figure of the baseline, with its value in this run (None
+    when this run did not measure it: a peer not installed, a case not run)."""
+    now = {(r["kernel"], r["case"], r["provider"], r["metric"]): r["value"] for r in current["rows"]}
+    ran = {(r["kernel"], r["case"]) for r in current["rows"]}
+    checks = []
+    for r in baseline["rows"]:
+        if not gated(r) or (r["kernel"], r["case"]) not in ran:
+            continue
+        key = (r["kernel"], r["case"], r["provider"], r["metric"])
+        checks.append(Check(*key, baseline=r["value"], current=now.get(key)))
+    return checks
+
+
+def regressions(checks: list[Check], tolerance: float) -> list[Check]:
+    return [c for c in checks if c.status(tolerance) == "REGRESSION"]

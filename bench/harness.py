@@ -1,0 +1,175 @@
+"""The shared benchmark harness: cases, providers, interleaved timing,
+checks against the reference, and result rows.
+
+Machines here are shared and noisy, so every figure that a verdict uses is a
+ratio measured in one run: providers of a case are timed in interleaved
+rounds (noise hits all of them alike), and each case carries its own
+bandwidth probe (the ``roofline`` provider) timed in the same rounds.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class Unavailable(Exception):
+    """A provider cannot run here (a peer not installed, say); it is skipped."""
+
+
+@dataclass
+class Runner:
+    """One provider set up for one case: ``step()`` is what is timed;
+    ``check()`` compares one step's result with the reference (run before
+    any timing) and raises AssertionError on a mismatch."""
+
+    step: Callable[[], None]
+    check: Callable[[], None] | None = None
+
+
+@dataclass
+class Provider:
+    name: str
+    kind: str  # "ours", "peer" or "roofline"
+    make: Callable[[], Runner]  # allocates; may raise Unavailable
+    bytes: int | None = None  # bytes it moves, when not the case's own (the roofline probe)
+
+
+@dataclass
+class Case:
+    kernel: str
+    name: str
+    numel: int
+    bytes: int  # bytes one step must move (read + written), the basis of GB/s
+    providers: list[Provider]
+    description: str = ""
+
+
+@dataclass
+class Timing:
+    provider: str
+    kind: str
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range over the median."""
+        if len(self.times) < 4:
+            return (max(self.times) - min(self.times)) / self.median
+        q = statistics.quantiles(self.times, n=4)
+        return (q[2] - q[0]) / self.median
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    timings: dict[str, Timing]
+    skipped: dict[str, str]  # provider -> why
+
+    def rows(self) -> list[dict]:
+        """Result rows (kernel, case, provider, metric, value). Normalized
+        metrics (fraction of the roofline, speedup over each peer) are what a
+        baseline comparison uses; times are for people. Each ratio is the
+        median of per-round ratios: the two calls of a round ran back to
+        back, so drifts of the machine's speed cancel."""
+        out = []
+        case = self.case
+        roof = self.timings.get("roofline")
+        roof_bytes = next((p.bytes for p in case.providers if p.name == "roofline"), None) or case.bytes
+        peers = {n: t for n, t in self.timings.items() if t.kind == "peer"}
+
+        def row(provider, metric, value):
+            out.append(dict(kernel=case.kernel, case=case.name, provider=provider, metric=metric, value=value))
+
+        def paired(num: Timing, den: Timing) -> float:
+            return statistics.median(a / b for a, b in zip(num.times, den.times))
+
+        for name, t in self.timings.items():
+            row(name, "median_ms", t.median * 1e3)
+            row(name, "spread", t.spread)
+            if name == "roofline":
+                row(name, "gb_per_s", roof_bytes / t.median / 1e9)
+                continue
+            row(name, "gparams_per_s", case.numel / t.median / 1e9)
+            row(name, "gb_per_s", case.bytes / t.median / 1e9)
+            if roof is not None:
+                # (bytes/t) / (roof_bytes/t_roof), round by round
+                row(name, "frac_roofline", case.bytes / roof_bytes * paired(roof, t))
+            if t.kind == "ours":
+                for peer, pt in peers.items():
+                    row(name, f"speedup_vs_{peer}", paired(pt, t))
+        return out
+
+
+def run_case(
+    case: Case,
+    *,
+    warmup: int,
+    repeats: int,
+    on_progress: Callable[[str], None] = lambda _: None,
+    slowdown: float = 1.0,
+) -> CaseResult:
+    """Sets up every provider, checks each against the reference, then times
+    them in interleaved rounds. ``slowdown`` > 1 really slows fastzero's own
+    providers by that factor (a busy wait after each call): it exists to
+    prove that the regression gate catches a slowdown of that size."""
+    runners: dict[str, Runner] = {}
+    skipped: dict[str, str] = {}
+    kinds = {}
+    for provider in case.providers:
+        on_progress(f"{case.name}: set up {provider.name}")
+        try:
+            runner = provider.make()
+        except Unavailable as exc:
+            skipped[provider.name] = str(exc)
+            continue
+        if runner.check is not None:
+            on_progress(f"{case.name}: check {provider.name} against the reference")
+            try:
+                runner.check()
+            except AssertionError as exc:
+                raise AssertionError(f"{case.kernel}/{case.name}: {provider.name} disagrees with the reference: {exc}") from exc
+        if provider.kind == "ours" and slowdown != 1.0:
+            runner = Runner(step=_slowed(runner.step, slowdown))
+        runners[provider.name] = runner
+        kinds[provider.name] = provider.kind
+    timings = {name: Timing(name, kinds[name]) for name in runners}
+    names = list(runners)
+    for _ in range(warmup):
+        for name in names:
+            runners[name].step()
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside one timed call is noise
+    try:
+        for r in range(repeats):
+            on_progress(f"{case.name}: round {r + 1}/{repeats}")
+            order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no provider always first
+            for name in order:
+                t0 = time.perf_counter()
+                runners[name].step()
+                timings[name].times.append(time.perf_counter() - t0)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    runners.clear()
+    gc.collect()
+    return CaseResult(case, timings, skipped)
+
+
+def _slowed(step: Callable[[], None], factor: float) -> Callable[[], None]:
+    def slowed():
+        t0 = time.perf_counter()
+        step()
+        until = t0 + (time.perf_counter() - t0) * factor
+        while time.perf_counter() < until:
+            pass
+
+    return slowed
