@@ -173,3 +173,21 @@ def _slowed(step: Callable[[], None], factor: float) -> Callable[[], None]:
             pass
 
     return slowed
+
+
+_UNITS = {"G": 1 << 30, "M": 1 << 20, "K": 1 << 10}
+
+
+def parse_size(text: str) -> int:
+    """'16M' -> 16777216 (binary units K, M, G; a plain number is a count)."""
+    text = text.strip().upper()
+    scale = _UNITS.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def format_size(n: int) -> str:
+    """16777216 -> '16M', 262144 -> '256K', 1000 -> '1000'."""
+    for unit, scale in _UNITS.items():
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)

@@ -33,20 +33,25 @@ def chart(results: dict, path: Path) -> list[Path]:
     for kernel in sorted({k for k, _ in table}):
         cases = [c for k, c in table if k == kernel]
         providers = [p for p in dict.fromkeys(p for c in cases for p in table[(kernel, c)]) if p != "roofline"]
-        fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
+        fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(cases) + 2), 4))
+        colors = {p: f"C{i}" for i, p in enumerate(providers)}
         width = 0.8 / max(1, len(providers))
-        for i, prov in enumerate(providers):
-            vals = [table[(kernel, c)].get(prov, {}).get("gb_per_s", 0) for c in cases]
-            ax.bar([x + i * width for x in range(len(cases))], vals, width, label=prov)
+        labelled = set()
         for x, c in enumerate(cases):
+            present = [p for p in providers if "gb_per_s" in table[(kernel, c)].get(p, {})]
+            left = x - width * len(present) / 2
+            for j, prov in enumerate(present):
+                label = None if prov in labelled else prov
+                labelled.add(prov)
+                ax.bar(left + (j + 0.5) * width, table[(kernel, c)][prov]["gb_per_s"], width, color=colors[prov], label=label)
             roof = table[(kernel, c)].get("roofline", {}).get("gb_per_s")
             if roof:
-                ax.hlines(roof, x - width / 2, x - width / 2 + 0.8, colors="black", linestyles="dashed",
+                ax.hlines(roof, x - 0.45, x + 0.45, colors="black", linestyles="dashed",
                           label="roofline (measured)" if x == 0 else None)  # fmt: skip
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases)
+        ax.set_xticks(range(len(cases)), cases)
         ax.set_ylabel("GB/s (bytes the job must move / time)")
         ax.set_title(f"{kernel} on {results['machine']['cpu']} ({results['machine']['torch_threads']} threads)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         out = path.with_name(f"{path.stem}-{kernel}.png")
         fig.savefig(out, dpi=110)

@@ -17,6 +17,7 @@ import os
 import torch
 
 from bench.harness import Case, Provider, Runner, Unavailable
+from bench.harness import format_size as _fmt
 from fastzero.ops import CPUAdam, cpu_adam_step, native, reference
 from fastzero.ops.reference.tolerances import assert_close
 
@@ -238,7 +239,3 @@ def cases(sizes: list[int] | None = None, dtypes: list[str] | None = None, quick
             f"mixed-precision offload step: fp32 master, {name} grad in, {name} param copy out",
         ))  # fmt: skip
     return out
-
-
-def _fmt(n: int) -> str:
-    return f"{n // M}M" if n % M == 0 else str(n)

@@ -1,0 +1,50 @@
+"""python -m bench.calibrate: how much the gated figures move from noise
+alone, to set the regression tolerance (bench/compare.py).
+
+Runs the quick suite N times in one process and reports, for every gated
+figure, its median over the runs and the largest drop of a single run below
+that median. The tolerance must sit above the largest drop (noise must never
+fail CI) and below 20% (a 25% slowdown lowers every gated figure to 0.8x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from bench import compare, kernels
+from bench.harness import run_case
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--json", type=Path, help="write every run's gated figures here")
+    args = ap.parse_args(argv)
+    values: dict[tuple, list[float]] = defaultdict(list)
+    for run in range(args.runs):
+        for name in sorted(kernels.KERNELS):
+            for case in kernels.load(name).cases(quick=True):
+                for row in run_case(case, warmup=3, repeats=args.repeats).rows():
+                    if compare.gated(row):
+                        values[(row["kernel"], row["case"], row["metric"])].append(row["value"])
+        print(f"run {run + 1}/{args.runs} done", flush=True)
+    worst = 0.0
+    print(f"{'figure':<62} {'median':>8} {'max drop':>9} {'max rise':>9}")
+    for key, vals in sorted(values.items()):
+        med = statistics.median(vals)
+        drop, rise = 1 - min(vals) / med, max(vals) / med - 1
+        worst = max(worst, drop)
+        print(f"{'/'.join(key):<62} {med:8.3f} {drop:9.1%} {rise:9.1%}")
+    print(f"largest drop from noise: {worst:.1%}; tolerance in use: {compare.DEFAULT_TOLERANCE:.0%}")
+    if args.json:
+        args.json.write_text(json.dumps({"/".join(k): v for k, v in values.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

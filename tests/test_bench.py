@@ -1,0 +1,77 @@
+"""The benchmark suite itself: runs, writes results and reports, and its
+regression gate flags a real slowdown but not a missing peer."""
+
+import json
+
+import pytest
+
+from bench import compare, run
+
+SMALL = ["--kernel", "cpu_adam", "--sizes", "256K", "--repeats", "3", "--warmup", "1", "--skip", "deepspeed"]
+
+
+def test_list(capsys):
+    assert run.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_adam" in out and "fp32-16M-x400" in out and "offload-bf16-16M" in out
+
+
+def test_small_run_writes_json_and_report(tmp_path):
+    js, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert run.main([*SMALL, "--json", str(js), "--report", str(md)]) == 0
+    res = json.loads(js.read_text())
+    assert res["machine"]["isa"] and res["machine"]["cpu"]
+    cases = {c["name"] for c in res["cases"]}
+    assert cases == {"fp32-256K", "fp32-256K-x400", "offload-bf16-256K"}
+    figures = {(r["case"], r["provider"], r["metric"]) for r in res["rows"]}
+    for case in cases:
+        assert (case, "fastzero", "frac_roofline") in figures
+        assert (case, "roofline", "gb_per_s") in figures
+    assert ("fp32-256K", "fastzero", "speedup_vs_torch_fused") in figures
+    assert ("offload-bf16-256K", "fastzero", "speedup_vs_torch_pipeline") in figures
+    text = md.read_text()
+    assert "| fastzero |" in text and "roofline" in text
+    assert (tmp_path / "r-cpu_adam.png").stat().st_size > 1000
+
+
+def _results(fastzero_ms, peer_ms=10.0, roof_ms=8.0, peer="torch_fused"):
+    """Result rows as the harness writes them, from times."""
+    from bench.harness import Case, CaseResult, Provider, Timing
+
+    case = Case("k", "c", 1000, 28000, [Provider("roofline", "roofline", None)])
+    timings = {
+        "fastzero": Timing("fastzero", "ours", [fastzero_ms / 1e3] * 5),
+        peer: Timing(peer, "peer", [peer_ms / 1e3] * 5),
+        "roofline": Timing("roofline", "roofline", [roof_ms / 1e3] * 5),
+    }
+    return {"rows": CaseResult(case, timings, {}).rows()}
+
+
+def test_gate_flags_a_25_percent_slowdown_and_not_noise():
+    base = _results(8.5)
+    slow = _results(8.5 * 1.25)
+    checks = compare.compare(slow, base)
+    assert {c.metric for c in checks} == {"frac_roofline", "speedup_vs_torch_fused"}
+    assert all(c.change == pytest.approx(1 / 1.25 - 1) for c in checks)
+    assert len(compare.regressions(checks, compare.DEFAULT_TOLERANCE)) == 2
+    noisy = _results(8.5 * 1.05)
+    assert not compare.regressions(compare.compare(noisy, base), compare.DEFAULT_TOLERANCE)
+
+
+def test_gate_skips_a_peer_that_is_not_installed_here():
+    base = _results(8.5, peer="deepspeed")
+    now = _results(8.5, peer="torch_fused")
+    checks = compare.compare(now, base)
+    status = {c.metric: c.status(compare.DEFAULT_TOLERANCE) for c in checks}
+    assert status == {"frac_roofline": "ok", "speedup_vs_deepspeed": "missing"}
+    assert not compare.regressions(checks, compare.DEFAULT_TOLERANCE)
+
+
+def test_end_to_end_gate_catches_an_injected_slowdown(tmp_path):
+    """A real slowdown (a busy wait that makes fastzero's calls 1.25x longer)
+    against a baseline measured moments before fails the run."""
+    args = ["--kernel", "cpu_adam", "--sizes", "4M", "--dtype", "fp32", "--repeats", "9", "--skip", "deepspeed",
+            "--skip", "torch_foreach"]  # fmt: skip
+    base = tmp_path / "base.json"
+    assert run.main([*args, "--json", str(base)]) == 0
+    assert run.main([*args, "--baseline", str(base), "--inject-slowdown", "1.25"]) == 1
