@@ -23,15 +23,13 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any failure leaves the JIT build to first use
-            print(f"fastzero: the CPU kernels were not built ({exc}); they will be built on first use",
-                  file=sys.stderr)
+            print(f"fastzero: the CPU kernels were not built ({exc}); they will be built on first use", file=sys.stderr)
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            print(f"fastzero: the CPU kernels were not built ({exc}); they will be built on first use",
-                  file=sys.stderr)
+            print(f"fastzero: the CPU kernels were not built ({exc}); they will be built on first use", file=sys.stderr)
 
 
 def extensions():
@@ -77,7 +75,7 @@ setup(
     install_requires=["torch>=2.4", "pybind11>=2.10", "ninja"],
     extras_require={
         "bench": ["matplotlib>=3.7", "rich>=13", "pytest-benchmark>=4"],
-        "test": ["pytest>=7", "pytest-benchmark>=4", "matplotlib>=3.7", "rich>=13"],
+        "test": ["pytest>=7", "pytest-benchmark>=4", "matplotlib>=3.7", "rich>=13", "ruff>=0.6"],
         "peers": ["deepspeed>=0.14"],
     },
     zip_safe=False,

@@ -135,7 +135,9 @@ def run_case(
             try:
                 runner.check()
             except AssertionError as exc:
-                raise AssertionError(f"{case.kernel}/{case.name}: {provider.name} disagrees with the reference: {exc}") from exc
+                raise AssertionError(
+                    f"{case.kernel}/{case.name}: {provider.name} disagrees with the reference: {exc}"
+                ) from exc
         if provider.kind == "ours" and slowdown != 1.0:
             runner = Runner(step=_slowed(runner.step, slowdown))
         runners[provider.name] = runner

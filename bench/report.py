@@ -43,7 +43,13 @@ def chart(results: dict, path: Path) -> list[Path]:
             for j, prov in enumerate(present):
                 label = None if prov in labelled else prov
                 labelled.add(prov)
-                ax.bar(left + (j + 0.5) * width, table[(kernel, c)][prov]["gb_per_s"], width, color=colors[prov], label=label)
+                ax.bar(
+                    left + (j + 0.5) * width,
+                    table[(kernel, c)][prov]["gb_per_s"],
+                    width,
+                    color=colors[prov],
+                    label=label,
+                )
             roof = table[(kernel, c)].get("roofline", {}).get("gb_per_s")
             if roof:
                 ax.hlines(roof, x - 0.45, x + 0.45, colors="black", linestyles="dashed",
@@ -66,7 +72,8 @@ def markdown(results: dict, checks: list[Check] | None, tolerance: float, path: 
         "# fastzero benchmark report",
         "",
         f"Commit `{m['git_sha']}` on {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads, "
-        f"ISA path {m['isa']}); torch {m['torch']}, triton {m['triton']}, deepspeed {m['deepspeed'] or 'not installed'}.",
+        f"ISA path {m['isa']}); torch {m['torch']}, triton {m['triton']}, "
+        f"deepspeed {m['deepspeed'] or 'not installed'}.",
         "GB/s counts the bytes each case must move (read + written); the roofline is an in-place "
         "streaming kernel of Adam's shape measured in the same rounds; speedup = peer time / fastzero time.",
         "",
@@ -76,9 +83,14 @@ def markdown(results: dict, checks: list[Check] | None, tolerance: float, path: 
         key = (case_info["kernel"], case_info["name"])
         provs = table[key]
         lines += [f"## {key[0]} / {key[1]}", "", case_info["description"], ""]
-        lines += ["| provider | median ms | spread | Gparam/s | GB/s | of roofline | speedups |", "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "| provider | median ms | spread | Gparam/s | GB/s | of roofline | speedups |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
         for prov, mt in provs.items():
-            speedups = ", ".join(f"{k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in mt.items() if k.startswith("speedup_vs_"))
+            speedups = ", ".join(
+                f"{k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in mt.items() if k.startswith("speedup_vs_")
+            )
             lines.append(
                 f"| {prov} | {_fmt(mt.get('median_ms'), '.2f')} | {_fmt(mt.get('spread'), '.1%')} | "
                 f"{_fmt(mt.get('gparams_per_s'), '.3f')} | {_fmt(mt.get('gb_per_s'), '.1f')} | "

@@ -58,7 +58,9 @@ def _progress():
     except ImportError:
         return None
     console = Console(stderr=True)
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True)
+    return Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+    )
 
 
 def main(argv=None) -> int:
@@ -100,8 +102,14 @@ def main(argv=None) -> int:
                 rows = _confirm(case, rows, baseline, args, say)
             results["rows"] += rows
             results["cases"].append(
-                {"kernel": case.kernel, "name": case.name, "numel": case.numel, "bytes": case.bytes,
-                 "description": case.description, "skipped": skipped}  # fmt: skip
+                {
+                    "kernel": case.kernel,
+                    "name": case.name,
+                    "numel": case.numel,
+                    "bytes": case.bytes,
+                    "description": case.description,
+                    "skipped": skipped,
+                }  # fmt: skip
             )
             _print_case(case, rows, skipped, progress)
             if progress:
@@ -164,7 +172,9 @@ def _print_case(case, rows, skipped, progress):
         by.setdefault(r["provider"], {})[r["metric"]] = r["value"]
     out = [f"{case.kernel} / {case.name}: {case.description}"]
     for prov, m in by.items():
-        extra = "".join(f"  {k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in m.items() if k.startswith("speedup_vs_"))
+        extra = "".join(
+            f"  {k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in m.items() if k.startswith("speedup_vs_")
+        )
         frac = f"  {m['frac_roofline']:.2f} of roofline" if "frac_roofline" in m else ""
         out.append(f"  {prov:<15} {m['median_ms']:8.2f} ms ±{m['spread']:5.1%}  {m['gb_per_s']:6.1f} GB/s{frac}{extra}")
     for prov, why in skipped.items():

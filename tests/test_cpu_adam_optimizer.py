@@ -107,7 +107,9 @@ def test_mixed_dtypes_in_one_group(isa):
     """fp32, bf16 and fp16 params (with grads of other dtypes) in one group."""
     torch.manual_seed(0)
     shapes = [(31,), (4, 17), (1023,)]
-    params = [torch.nn.Parameter(torch.randn(s).to(d)) for s, d in zip(shapes, (torch.float32, torch.bfloat16, torch.float16))]
+    params = [
+        torch.nn.Parameter(torch.randn(s).to(d)) for s, d in zip(shapes, (torch.float32, torch.bfloat16, torch.float16))
+    ]
     ref_params = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
     for p in params:
         if hasattr(p, "grad_dtype"):  # torch >= 2.10 checks grad dtypes unless told not to
@@ -242,7 +244,8 @@ def test_reference_backend_when_forced(monkeypatch):
 
 def test_deepspeed_positional_signature():
     p = torch.nn.Parameter(torch.randn(3))
-    # DeepSpeedCPUAdam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode, fp32_optimizer_states)
+    # DeepSpeedCPUAdam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
+    #                  fp32_optimizer_states)
     opt = CPUAdam([p], 1e-3, False, (0.8, 0.9), 1e-6, 0.1, False, False, True)
     g = opt.param_groups[0]
     assert (g["lr"], g["bias_correction"], g["betas"], g["eps"], g["weight_decay"], g["adamw_mode"]) == (

@@ -89,7 +89,9 @@ def test_triton_kernels_live_inside_fastzero(tmp_path):
         "print(t.__name__, spec.origin if spec else None)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, check=True
+    )
     name, origin = out.stdout.split()
     assert name == "fastzero.triton_kernels"
     assert origin == "None" or not origin.startswith(REPO), origin

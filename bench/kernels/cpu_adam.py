@@ -65,7 +65,12 @@ class Data:
 
     def check(self, params, exp_avgs=None, exp_avg_sqs=None, copies=None):
         p, m, v, c = self.expected
-        for name, got, want in (("param", params, p), ("exp_avg", exp_avgs, m), ("exp_avg_sq", exp_avg_sqs, v), ("copy", copies, c)):
+        for name, got, want in (
+            ("param", params, p),
+            ("exp_avg", exp_avgs, m),
+            ("exp_avg_sq", exp_avg_sqs, v),
+            ("copy", copies, c),
+        ):
             for i, (a, b) in enumerate(zip(got or [], want or [])):
                 assert_close(a.detach().reshape(-1), b, msg=f"{name} {i}")
 
@@ -188,7 +193,9 @@ def provide_offload_torch(data: Data) -> Runner:
 
     def check():
         step()
-        data.check(params, [opt.state[p]["exp_avg"] for p in params], [opt.state[p]["exp_avg_sq"] for p in params], copies)
+        data.check(
+            params, [opt.state[p]["exp_avg"] for p in params], [opt.state[p]["exp_avg_sq"] for p in params], copies
+        )
 
     return Runner(step=step, check=check)
 
@@ -223,7 +230,7 @@ def cases(sizes: list[int] | None = None, dtypes: list[str] | None = None, quick
             out.append(fp32_case(f"fp32-{_fmt(n)}", [n], f"fp32 AdamW step, {_fmt(n)} params in one tensor"))
         n = sizes[0]
         out.append(fp32_case(f"fp32-{_fmt(n)}-x{MANY_TENSORS}", split_sizes(n, MANY_TENSORS),
-                             f"fp32 AdamW step, {_fmt(n)} params over {MANY_TENSORS} tensors of mixed sizes"))  # fmt: skip
+                             f"fp32 AdamW step, {_fmt(n)} params over {MANY_TENSORS} tensors of mixed sizes"))  # noqa: E501  # fmt: skip
     for name in dtypes:
         if name not in DTYPES:
             continue

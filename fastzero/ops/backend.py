@@ -50,9 +50,7 @@ def cpu_backend(op: str) -> str:
     if forced == "reference":
         return "reference"
     if forced not in (None, "cpu"):
-        raise ValueError(
-            f"FASTZERO_BACKEND={forced!r}, but {op} runs on CPU tensors: use 'cpu' or 'reference'"
-        )
+        raise ValueError(f"FASTZERO_BACKEND={forced!r}, but {op} runs on CPU tensors: use 'cpu' or 'reference'")
     if native.cpu_ops() is None:
         if forced == "cpu":
             raise RuntimeError(f"FASTZERO_BACKEND=cpu, but the CPU kernels are unavailable: {native.cpu_ops_error()}")
@@ -65,9 +63,7 @@ def backends() -> list[BackendStatus]:
     """Every op, each backend, and whether it is available here (and why not)."""
     error = native.cpu_ops_error()
     cpu_detail = (
-        f"ISA {native.cpu_isa()} (this CPU supports: {', '.join(native.supported_isas())})"
-        if error is None
-        else error
+        f"ISA {native.cpu_isa()} (this CPU supports: {', '.join(native.supported_isas())})" if error is None else error
     )
     return [
         BackendStatus("CPUAdam", "cpu", error is None, cpu_detail),

@@ -75,7 +75,9 @@ def cpu_adam_step(
             check_cpu_tensor(s, f"{name}[{i}]")
             check_same_size(s, p, f"{name}[{i}]", f"params[{i}]")
             if s.dtype not in (torch.float32, p.dtype):
-                raise TypeError(f"{name}[{i}] is {s.dtype}; optimizer states must be float32 or the param's dtype ({p.dtype})")
+                raise TypeError(
+                    f"{name}[{i}] is {s.dtype}; optimizer states must be float32 or the param's dtype ({p.dtype})"
+                )
             check_contiguous(s, f"{name}[{i}]")
         if m.dtype != v.dtype:
             raise TypeError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}; use one state dtype")
@@ -182,9 +184,7 @@ class CPUAdam(torch.optim.Optimizer):
         fp32_optimizer_states: bool = True,
     ) -> None:
         if amsgrad:
-            raise ValueError(
-                "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it"
-            )
+            raise ValueError("CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it")
         check_adam_hyperparams(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -232,7 +232,9 @@ class CPUAdam(torch.optim.Optimizer):
                     check_cpu_tensor(g, f"the grad of {what}", gpu_hint=_GPU_HINT)
                 state = self.state[p]
                 if not state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype(p), memory_format=torch.contiguous_format)
+                    state["exp_avg"] = torch.zeros_like(
+                        p, dtype=self._state_dtype(p), memory_format=torch.contiguous_format
+                    )
                     state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
                 if not p.is_contiguous():
                     data = p.detach().contiguous()

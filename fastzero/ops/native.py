@@ -68,8 +68,7 @@ def cpu_isa() -> str:
         raise ValueError(f"FASTZERO_CPU_ISA={wanted!r} is not one of {', '.join(ISA_NAMES)}")
     if ISA_NAMES.index(wanted) > ISA_NAMES.index(best):
         raise ValueError(
-            f"FASTZERO_CPU_ISA={wanted!r}, but this CPU supports at most {best!r}; "
-            "unset it or choose a lower one"
+            f"FASTZERO_CPU_ISA={wanted!r}, but this CPU supports at most {best!r}; unset it or choose a lower one"
         )
     return wanted
 
