@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from fastzero.ops import native
-from fastzero.ops.reference.tolerances import TOLERANCES as TOL  # noqa: F401  (one table)
 
 
 @pytest.fixture(params=native.supported_isas() or ["none"])

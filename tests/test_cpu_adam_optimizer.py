@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastzero.ops import CPUAdam
-from tests.conftest import assert_close
+from fastzero.ops.reference.tolerances import assert_close
 
 
 def make_model(dtype=torch.float32):
@@ -227,9 +227,26 @@ def test_state_dict_of_another_model_is_refused():
     opt = CPUAdam(small.parameters())
     small(torch.randn(2, 4)).sum().backward()
     opt.step()
-    other = CPUAdam(big.parameters())
+    other = CPUAdam(big.parameters(), lr=0.5)
+    big(torch.randn(2, 4)).sum().backward()
+    other.step()
+    before = copy.deepcopy(other.state_dict())
     with pytest.raises(ValueError, match="shape"):
         other.load_state_dict(opt.state_dict())
+    after = other.state_dict()  # nothing changed
+    assert after["param_groups"] == before["param_groups"]
+    for pid, st in before["state"].items():
+        for key, value in st.items():
+            assert torch.equal(after["state"][pid][key], value)
+
+
+def test_state_dict_of_another_optimizer_is_refused():
+    model = torch.nn.Linear(4, 4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    sgd.step()
+    with pytest.raises(ValueError, match="not saved by an Adam optimizer"):
+        CPUAdam(model.parameters()).load_state_dict(sgd.state_dict())
 
 
 def test_reference_backend_when_forced(monkeypatch):

@@ -267,31 +267,38 @@ class CPUAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict of CPUAdam, torch.optim.Adam/AdamW or FusedAdam."""
+        """Loads a state dict of CPUAdam, torch.optim.Adam/AdamW or FusedAdam.
+        A state dict of another model is refused before anything changes."""
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
-        super().load_state_dict(state_dict)
-        # torch.optim casts states to the param dtype; take them again from the
-        # saved tensors in our state dtype (fp32 states for bf16 params stay fp32).
+        pairs = []  # (group index, param index, param, saved state)
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            for key, value in self.defaults.items():  # torch.optim's groups lack our keys
-                group.setdefault(key, value)
-            steps = []
             for pi, (pid, p) in enumerate(zip(saved["params"], group["params"])):
                 if pid not in saved_state:
                     continue
-                src, state = saved_state[pid], self.state[p]
+                src = saved_state[pid]
                 for key in ("exp_avg", "exp_avg_sq"):
                     if key not in src:
-                        raise KeyError(
-                            f"the state of param {pi} of group {gi} has no {key!r} (keys: {sorted(src)}); "
+                        raise ValueError(
+                            f"the saved state of param {pi} of group {gi} has no {key!r} (it has {sorted(src)}); "
                             "it was not saved by an Adam optimizer"
                         )
                     check_same_size(src[key], p, f"saved {key} of param {pi} of group {gi}", "the param")
-                    state[key] = src[key].detach().to(device="cpu", dtype=self._state_dtype(p)).contiguous()
-                step = state.pop("step", src.get("step", 0))
-                steps.append(int(step.item() if isinstance(step, Tensor) else step))
+                pairs.append((gi, p, src))
+        super().load_state_dict(state_dict)  # checks group and param counts
+        # torch.optim casts states to the param dtype; take them again from the
+        # saved tensors in our state dtype (fp32 states for bf16 params stay fp32).
+        steps: dict[int, list[int]] = defaultdict(list)
+        for gi, p, src in pairs:
+            state = self.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = src[key].detach().to(device="cpu", dtype=self._state_dtype(p)).contiguous()
+            step = state.pop("step", 0)
+            steps[gi].append(int(step.item() if isinstance(step, Tensor) else step))
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            for key, value in self.defaults.items():  # torch.optim's groups lack our keys
+                group.setdefault(key, value)
             if "step" in saved:
                 group["step"] = int(saved["step"])
-            elif steps:
-                group["step"] = max(steps)
+            elif steps[gi]:
+                group["step"] = max(steps[gi])
