@@ -2,6 +2,7 @@
 // multi-tensor, multi-thread driver.
 #include "adam.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <immintrin.h>

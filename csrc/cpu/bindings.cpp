@@ -4,10 +4,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
 #include "adam.h"
+#include "lamb.h"
 #include "stream.h"
 
 namespace py = pybind11;
@@ -47,6 +49,64 @@ void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>
                         num_threads);
 }
 
+void check_lists(const char* what, size_t n, std::initializer_list<size_t> sizes) {
+  for (size_t k : sizes)
+    if (k != n) throw std::invalid_argument(std::string(what) + ": tensor lists differ in length");
+}
+
+fz::LambHyper lamb_hyper(double beta1, double beta2, double eps, bool eps_inside_sqrt,
+                         double weight_decay, double grad_mult) {
+  return {float(beta1), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps),
+          float(weight_decay), float(grad_mult), eps_inside_sqrt};
+}
+
+double lamb_grad_sumsq(int isa, const std::vector<uintptr_t>& g, const std::vector<int64_t>& numel,
+                       int g_dtype, double grad_mult, int num_threads) {
+  check_lists("lamb_grad_sumsq", numel.size(), {g.size()});
+  if (g_dtype < fz::kF32 || g_dtype > fz::kBF16)
+    throw std::invalid_argument("lamb_grad_sumsq: bad grad dtype code " + std::to_string(g_dtype));
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  return fz::lamb_grad_sumsq(checked, g, numel, g_dtype, float(grad_mult), num_threads);
+}
+
+std::vector<double> lamb_norms(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
+                               const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
+                               const std::vector<int64_t>& numel, int p_dtype, int g_dtype, int s_dtype,
+                               double beta1, double beta2, double eps, bool eps_inside_sqrt,
+                               double weight_decay, double grad_mult, int num_threads) {
+  check_lists("lamb_norms", numel.size(), {p.size(), g.size(), m.size(), v.size()});
+  const fz::Isa checked = checked_isa(isa);
+  const fz::LambHyper h = lamb_hyper(beta1, beta2, eps, eps_inside_sqrt, weight_decay, grad_mult);
+  std::vector<double> sums;
+  bool ok;
+  {
+    py::gil_scoped_release release;
+    ok = fz::lamb_norms(checked, p, g, m, v, numel, p_dtype, g_dtype, s_dtype, h, num_threads, &sums);
+  }
+  if (!ok) throw std::invalid_argument("lamb_norms: no kernel for these dtype codes");
+  return sums;
+}
+
+void lamb_apply(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& m,
+                const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
+                const std::vector<int64_t>& numel, int p_dtype, int s_dtype, int c_dtype, double eps,
+                bool eps_inside_sqrt, double weight_decay, const std::vector<float>& scale,
+                int num_threads) {
+  check_lists("lamb_apply", numel.size(), {p.size(), m.size(), v.size(), scale.size()});
+  if (!copy.empty()) check_lists("lamb_apply", numel.size(), {copy.size()});
+  if (copy.empty() != (c_dtype == fz::kNone))
+    throw std::invalid_argument("lamb_apply: copy list and copy dtype disagree");
+  const fz::Isa checked = checked_isa(isa);
+  const fz::LambHyper h = lamb_hyper(0.0, 0.0, eps, eps_inside_sqrt, weight_decay, 1.0);
+  bool ok;
+  {
+    py::gil_scoped_release release;
+    ok = fz::lamb_apply(checked, p, m, v, copy, numel, p_dtype, s_dtype, c_dtype, h, scale, num_threads);
+  }
+  if (!ok) throw std::invalid_argument("lamb_apply: no kernel for these dtype codes");
+}
+
 void stream_update(int isa, const std::vector<uintptr_t>& a, const std::vector<uintptr_t>& b,
                    const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d,
                    const std::vector<int64_t>& numel, double s, int num_threads) {
@@ -67,6 +127,9 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.def("best_isa", [] { return int(fz::best_isa()); },
         "Best instruction set of this CPU: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512.");
   m.def("adam", &adam, "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h).");
+  m.def("lamb_grad_sumsq", &lamb_grad_sumsq, "LAMB pass 0: sum of squares of the scaled grads.");
+  m.def("lamb_norms", &lamb_norms, "LAMB pass 1: update m, v; per tensor sum p^2 and sum u^2.");
+  m.def("lamb_apply", &lamb_apply, "LAMB pass 2: p += scale * u, and the low-precision copy.");
   m.def("stream_update", &stream_update,
         "Bandwidth probe: a += s*b, c += s*b, d += s*b over lists of fp32 tensors.");
 }

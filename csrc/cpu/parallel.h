@@ -21,28 +21,44 @@ constexpr int64_t kMinElementsPerThread = 1 << 15;
 // claimed dynamically: a thread slowed by a neighbour just claims fewer.
 constexpr int64_t kChunkElements = 1 << 18;
 
-// Calls fn(tensor, offset, count) for every run of elements of every tensor,
-// in chunks (edges at multiples of kChunkElements within a tensor, so no two
-// threads share a cache line), spread over up to num_threads threads.
-template <class Fn>
-void for_each_segment(const std::vector<int64_t>& numel, int num_threads, Fn&& fn) {
-  struct Chunk { size_t tensor; int64_t offset, count; };
+struct Chunk {
+  size_t tensor;
+  int64_t offset, count;
+};
+
+// Every tensor cut into chunks (edges at multiples of kChunkElements within a
+// tensor, so no two threads share a cache line), in tensor order.
+inline std::vector<Chunk> make_chunks(const std::vector<int64_t>& numel) {
   std::vector<Chunk> chunks;
-  int64_t total = 0;
-  for (size_t t = 0; t < numel.size(); ++t) {
-    total += numel[t];
+  for (size_t t = 0; t < numel.size(); ++t)
     for (int64_t off = 0; off < numel[t]; off += kChunkElements)
       chunks.push_back({t, off, std::min(kChunkElements, numel[t] - off)});
-  }
+  return chunks;
+}
+
+// Calls fn(i) for every chunk index i, on up to num_threads threads.
+template <class Fn>
+void parallel_chunks(const std::vector<Chunk>& chunks, int num_threads, Fn&& fn) {
+  int64_t total = 0;
+  for (const Chunk& c : chunks) total += c.count;
   const int64_t n = int64_t(chunks.size());
   const int threads = int(std::min<int64_t>(
       {int64_t(std::max(num_threads, 1)), std::max<int64_t>(total / kMinElementsPerThread, 1), n}));
   if (threads <= 1) {
-    for (const Chunk& c : chunks) fn(c.tensor, c.offset, c.count);
+    for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) fn(chunks[i].tensor, chunks[i].offset, chunks[i].count);
+  for (int64_t i = 0; i < n; ++i) fn(i);
+}
+
+// Calls fn(tensor, offset, count) for every chunk of every tensor.
+template <class Fn>
+void for_each_segment(const std::vector<int64_t>& numel, int num_threads, Fn&& fn) {
+  const std::vector<Chunk> chunks = make_chunks(numel);
+  parallel_chunks(chunks, num_threads, [&](int64_t i) {
+    fn(chunks[i].tensor, chunks[i].offset, chunks[i].count);
+  });
 }
 
 }  // namespace fz

@@ -1,5 +1,6 @@
 #include "stream.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <immintrin.h>

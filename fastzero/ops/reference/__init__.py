@@ -3,5 +3,6 @@ lines. Every backend is tested against them, and they are the fallback where
 no faster backend exists."""
 
 from fastzero.ops.reference.adam import adam_step
+from fastzero.ops.reference.lamb import lamb_step
 
-__all__ = ["adam_step"]
+__all__ = ["adam_step", "lamb_step"]

@@ -1,0 +1,231 @@
+"""The base of fastzero's Adam-family optimizers (CPUAdam, FusedAdam,
+FusedLamb): gathering a group's tensors, the per-group step counter, loss
+scaling inputs, fp32 master weights, and torch.optim-compatible state dicts.
+Subclasses only say how one group's lists are updated (``_update``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastzero.ops import native
+from fastzero.ops.checks import check_same_size, check_tensor
+
+_DTYPES = frozenset(native.DTYPE_CODES)
+
+
+@dataclass
+class GroupLists:
+    """One param group's tensors on one device, ready for a functional step.
+    With master weights, ``params`` are the fp32 masters and ``param_copies``
+    the model's low-precision params, written in the same pass."""
+
+    device: torch.device
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    exp_avgs: list[Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[Tensor] = field(default_factory=list)
+    param_copies: list[Tensor] | None = None
+    staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (param, contiguous copy) to write back
+
+
+class AdamFamilyOptimizer(torch.optim.Optimizer):
+    """State: per param ``exp_avg``, ``exp_avg_sq`` (fp32, or the param's
+    dtype when ``fp32_optimizer_states`` is False) and, with
+    ``master_weights``, ``master_param`` (fp32) for bf16/fp16 params. The step
+    ``t`` is counted per param group in ``group["step"]``: a Python int for
+    CPU groups, a 0-d fp32 tensor on the device for GPU groups (so that a
+    step skipped on ``found_inf`` is undone on the device, without a sync).
+    ``state_dict()`` writes a per-param ``step`` as torch.optim does, so
+    torch.optim.Adam/AdamW, CPUAdam, FusedAdam and FusedLamb load each other's.
+
+    Loss scaling: ``step(grad_scale=..., found_inf=...)`` or, as
+    ``torch.amp.GradScaler`` does for optimizers that declare
+    ``_step_supports_amp_scaling``, the attributes ``grad_scale`` and
+    ``found_inf``. Grads are divided by ``grad_scale`` inside the kernel; when
+    ``found_inf`` is nonzero nothing changes and the step does not count.
+    """
+
+    _step_supports_amp_scaling = True
+    _op_name = "optimizer"
+    _device_hint = ""
+
+    def __init__(self, params, defaults: dict, *, fp32_optimizer_states: bool = True, master_weights: bool = False):
+        super().__init__(params, defaults)
+        self.fp32_optimizer_states = fp32_optimizer_states
+        self.master_weights = master_weights
+
+    # -- what subclasses provide ------------------------------------------------
+    def _check_group(self, gi: int, group: dict) -> None:
+        raise NotImplementedError
+
+    def _update(self, gi: int, group: dict, lists: GroupLists, step, grad_scale, found_inf) -> None:
+        """One step of one group on one device. ``step`` is the int (CPU) or
+        the device tensor (GPU) already advanced to this step's t."""
+        raise NotImplementedError
+
+    # -- the step ---------------------------------------------------------------
+    def _state_dtype(self, p: Tensor) -> torch.dtype:
+        return torch.float32 if self.fp32_optimizer_states or self._uses_master(p) else p.dtype
+
+    def _uses_master(self, p: Tensor) -> bool:
+        return self.master_weights and p.dtype != torch.float32
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: Tensor | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(gi, group)
+            lists = self._gather(gi, group)
+            if lists is None:
+                continue
+            if lists.device.type == "cpu":
+                if found_inf is not None and bool(found_inf):
+                    continue  # skipped: nothing changes, the step does not count
+                group["step"] = int(group.get("step", 0)) + 1
+                step = group["step"]
+            else:
+                step = self._device_step(group, lists.device)
+                step.add_(1)
+            self._update(gi, group, lists, step, grad_scale, found_inf)
+            if lists.device.type != "cpu" and found_inf is not None:
+                step.sub_(found_inf.to(step.device, torch.float32).clamp(0, 1))
+            for p, data in lists.staged:
+                p.detach().copy_(data)
+        return loss
+
+    def _device_step(self, group: dict, device: torch.device) -> Tensor:
+        step = group.get("step", 0)
+        if not isinstance(step, Tensor) or step.device != device:
+            step = torch.tensor(float(step), dtype=torch.float32, device=device)
+            group["step"] = step
+        return step
+
+    def _gather(self, gi: int, group: dict) -> GroupLists | None:
+        """The group's params that have grads, with their states (created on
+        first use). Only what torch does not already guarantee (a grad's shape
+        and device match its param's) is checked per param; any doubt falls
+        through to the full checks for a precise error. This loop is what a
+        step with hundreds of tensors pays in Python: keep it lean."""
+        lists = None
+        for pi, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            if lists is None:
+                lists = GroupLists(p.device)
+            if not (p.dtype in _DTYPES and g.dtype in _DTYPES and g.layout == torch.strided):
+                what = f"param {pi} of group {gi}"
+                check_tensor(p, what, device_type=p.device.type, hint=self._device_hint)
+                check_tensor(g, f"the grad of {what}", device_type=p.device.type, hint=self._device_hint)
+            if p.device != lists.device:
+                raise ValueError(
+                    f"param group {gi} mixes devices ({lists.device} and {p.device} at param {pi}); "
+                    f"put each device's params in a group of its own"
+                )
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state)
+            if "master_param" in state:
+                if lists.param_copies is None:
+                    if lists.params:
+                        raise ValueError(
+                            f"param group {gi} mixes fp32 and low-precision params with master_weights=True; "
+                            "put them in separate groups"
+                        )
+                    lists.param_copies = []
+                lists.param_copies.append(p if p.is_contiguous() else self._stage(lists, p))
+                params_entry = state["master_param"]
+            else:
+                if lists.param_copies is not None:
+                    raise ValueError(
+                        f"param group {gi} mixes fp32 and low-precision params with master_weights=True; "
+                        "put them in separate groups"
+                    )
+                params_entry = p if p.is_contiguous() else self._stage(lists, p)
+            lists.params.append(params_entry)
+            lists.grads.append(g if g.is_contiguous() else g.contiguous())
+            lists.exp_avgs.append(state["exp_avg"])
+            lists.exp_avg_sqs.append(state["exp_avg_sq"])
+        return lists
+
+    @staticmethod
+    def _stage(lists: GroupLists, p: Tensor) -> Tensor:
+        data = p.detach().contiguous()
+        lists.staged.append((p, data))
+        return data
+
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        dtype = self._state_dtype(p)
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+        if self._uses_master(p):
+            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
+
+    # -- state dicts --------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's layout: per-param ``step`` (a float32 tensor),
+        ``exp_avg``, ``exp_avg_sq`` (and ``master_param``), so torch.optim.AdamW
+        can load it."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            step = float(group.get("step", 0))
+            group["step"] = step
+            for pid in group["params"]:
+                if pid in sd["state"]:
+                    sd["state"][pid] = {"step": torch.tensor(step), **sd["state"][pid]}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of CPUAdam, FusedAdam, FusedLamb or
+        torch.optim.Adam/AdamW. A state dict of another model is refused
+        before anything changes."""
+        saved_state = state_dict["state"]
+        saved_groups = state_dict["param_groups"]
+        pairs = []  # (group index, param, saved state)
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            for pi, (pid, p) in enumerate(zip(saved["params"], group["params"])):
+                if pid not in saved_state:
+                    continue
+                src = saved_state[pid]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key not in src:
+                        raise ValueError(
+                            f"the saved state of param {pi} of group {gi} has no {key!r} (it has {sorted(src)}); "
+                            "it was not saved by an Adam-family optimizer"
+                        )
+                    check_same_size(src[key], p, f"saved {key} of param {pi} of group {gi}", "the param")
+                pairs.append((gi, p, src))
+        super().load_state_dict(state_dict)  # checks group and param counts
+        # torch.optim casts states to the param dtype; take them again from the
+        # saved tensors in our state dtype (fp32 states of bf16 params stay fp32).
+        steps: dict[int, list[float]] = defaultdict(list)
+        for gi, p, src in pairs:
+            state = self.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = src[key].detach().to(device=p.device, dtype=self._state_dtype(p)).contiguous()
+            if self._uses_master(p):
+                master = src.get("master_param", p.detach())
+                state["master_param"] = master.detach().to(device=p.device, dtype=torch.float32).contiguous()
+            else:
+                state.pop("master_param", None)
+            step = state.pop("step", 0)
+            steps[gi].append(float(step))
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            for key, value in self.defaults.items():  # torch.optim's groups lack our keys
+                group.setdefault(key, value)
+            if "step" in saved:
+                group["step"] = int(float(saved["step"]))
+            elif steps[gi]:
+                group["step"] = int(max(steps[gi]))
