@@ -4,5 +4,8 @@
 from fastzero.ops import reference
 from fastzero.ops.backend import backends, report
 from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
+from fastzero.ops.cpu_lamb import cpu_lamb_step
+from fastzero.ops.fused_adam import FusedAdam
+from fastzero.ops.fused_lamb import FusedLamb
 
-__all__ = ["CPUAdam", "backends", "cpu_adam_step", "reference", "report"]
+__all__ = ["CPUAdam", "FusedAdam", "FusedLamb", "backends", "cpu_adam_step", "cpu_lamb_step", "reference", "report"]

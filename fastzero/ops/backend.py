@@ -59,16 +59,80 @@ def cpu_backend(op: str) -> str:
     return "cpu"
 
 
+def cuda_status() -> tuple[bool, str]:
+    """Whether fastzero's CUDA kernels can run here, and why not."""
+    try:
+        from fastzero.ops import cuda as cuda_ops
+    except ImportError as exc:
+        return False, f"the CUDA backend is not installed ({exc})"
+    return cuda_ops.available()
+
+
+def triton_status(device_type: str = "cuda") -> tuple[bool, str]:
+    """Whether the Triton kernels can run on `device_type` tensors here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return False, f"triton is not installed ({exc}); pip install triton"
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False, "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1, for tests)"
+    if device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+    return True, ""
+
+
+def device_backend(op: str, device_type: str) -> str:
+    """'cuda', 'triton', 'cpu' or 'reference' for an op on `device_type`
+    tensors: the fastest available, or the one FASTZERO_BACKEND forces."""
+    forced = forced_backend()
+    if device_type == "cpu":
+        if forced == "triton":
+            ok, why = triton_status("cpu")
+            if not ok:
+                raise RuntimeError(f"FASTZERO_BACKEND=triton with CPU tensors: {why}")
+            return "triton"
+        return cpu_backend(op)
+    if device_type != "cuda":
+        raise ValueError(f"{op} does not support {device_type} tensors (CPU and CUDA only)")
+    if forced == "cpu":
+        raise ValueError(f"FASTZERO_BACKEND=cpu, but {op} got CUDA tensors: use cuda, triton or reference")
+    if forced == "reference":
+        return "reference"
+    reasons = []
+    for name, status in (("cuda", cuda_status), ("triton", triton_status)):
+        if forced in (None, name):
+            ok, why = status()
+            if ok:
+                return name
+            if forced == name:
+                raise RuntimeError(f"FASTZERO_BACKEND={name}, but it cannot run here: {why}")
+            reasons.append(f"{name}: {why}")
+    warn_fallback(op, "; ".join(reasons))
+    return "reference"
+
+
 def backends() -> list[BackendStatus]:
     """Every op, each backend, and whether it is available here (and why not)."""
     error = native.cpu_ops_error()
-    cpu_detail = (
-        f"ISA {native.cpu_isa()} (this CPU supports: {', '.join(native.supported_isas())})" if error is None else error
-    )
-    return [
-        BackendStatus("CPUAdam", "cpu", error is None, cpu_detail),
-        BackendStatus("CPUAdam", "reference", True, "plain PyTorch, always available"),
-    ]
+    if error is None:
+        try:
+            cpu = (True, f"ISA {native.cpu_isa()} (this CPU supports: {', '.join(native.supported_isas())})")
+        except ValueError as exc:
+            cpu = (False, str(exc))
+    else:
+        cpu = (False, error)
+    reference = (True, "plain PyTorch, always available")
+    rows = [BackendStatus("CPUAdam", "cpu", *cpu), BackendStatus("CPUAdam", "reference", *reference)]
+    gpu = {"cuda": cuda_status(), "triton": triton_status()}
+    for op in ("FusedAdam", "FusedLamb"):
+        rows.append(BackendStatus(op, "cpu", *cpu))
+        for name, (ok, why) in gpu.items():
+            rows.append(BackendStatus(op, name, ok, "CUDA tensors" if ok else why))
+        rows.append(BackendStatus(op, "reference", *reference))
+    return rows
 
 
 def report() -> str:

@@ -60,13 +60,13 @@ def cpu_adam_step(
     check_grad_scale(grad_scale)
     check_step("cpu_adam_step", step)
     return _launch(
-        params, grads, exp_avgs, exp_avg_sqs, param_copies, step=step, lr=lr, beta1=beta1, beta2=beta2,
+        params, grads, exp_avgs, exp_avg_sqs, param_copies=param_copies, step=step, lr=lr, beta1=beta1, beta2=beta2,
         eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, adamw_mode=adamw_mode,
         grad_scale=grad_scale,
     )  # fmt: skip
 
 
-def _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, *, step, lr, beta1, beta2, eps, weight_decay,
+def _launch(params, grads, exp_avgs, exp_avg_sqs, *, param_copies=None, step, lr, beta1, beta2, eps, weight_decay,
             bias_correction, adamw_mode, grad_scale) -> str:  # fmt: skip
     """Runs checked lists: one native call per dtype combination, each one
     multi-tensor pass; or the reference."""
@@ -179,7 +179,7 @@ class CPUAdam(AdamFamilyOptimizer):
             raise ValueError(f"param group {gi} is on {lists.device}; CPUAdam updates CPU tensors{_GPU_HINT}")
         beta1, beta2 = group["betas"]
         _launch(
-            lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, lists.param_copies, step=step,
+            lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, param_copies=lists.param_copies, step=step,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             bias_correction=group["bias_correction"], adamw_mode=group["adamw_mode"],
             grad_scale=None if grad_scale is None else float(grad_scale),

@@ -1,0 +1,119 @@
+"""FusedLamb: LAMB (DeepSpeed's FusedLamb math) on every device: CUDA or
+Triton kernels for CUDA tensors, the SIMD CPU kernel for CPU tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastzero.ops import cpu_lamb, reference
+from fastzero.ops.backend import device_backend
+from fastzero.ops.checks import check_adam_hyperparams
+from fastzero.ops.cpu_lamb import check_lamb_hyperparams
+from fastzero.ops.fused_adam import as_device_scalar, device_kernel
+from fastzero.ops.optimizer import AdamFamilyOptimizer, GroupLists
+
+
+class FusedLamb(AdamFamilyOptimizer):
+    r"""LAMB with fused multi-tensor kernels, wherever the params live.
+
+    DeepSpeed's ``FusedLamb`` signature: ``FusedLamb(params, lr,
+    bias_correction, betas, eps, eps_inside_sqrt, weight_decay,
+    max_grad_norm, max_coeff, min_coeff, amsgrad)``, plus ``master_weights``
+    and ``fp32_optimizer_states`` as in :class:`FusedAdam`. Per tensor, in
+    fp32 (:func:`fastzero.ops.reference.lamb_step`):
+
+    .. math::
+        \hat g = g / s;\ m \leftarrow \beta_1 m + (1-\beta_1)\hat g;\
+        v \leftarrow \beta_2 v + (1-\beta_2)\hat g^2;\
+        u = \frac{m}{\sqrt v + \epsilon} + \text{wd}\,p;\
+        r = \text{clamp}(\lVert p\rVert / \lVert u\rVert);\
+        p \leftarrow p - \text{lr}\frac{\sqrt{bc_2}}{bc_1} r u
+
+    where ``s`` clips the group's global grad norm to ``max_grad_norm`` (when
+    > 0). :meth:`get_lamb_coeffs` returns the last trust ratios. Norms are
+    computed on the device, with no host sync per tensor.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        *,
+        master_weights: bool = False,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("FusedLamb does not implement amsgrad")
+        check_adam_hyperparams(lr, betas, eps, weight_decay)
+        check_lamb_hyperparams(max_grad_norm, max_coeff, min_coeff)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
+            bias_correction=bias_correction, max_grad_norm=max_grad_norm, max_coeff=max_coeff,
+            min_coeff=min_coeff, amsgrad=False,
+        )  # fmt: skip
+        super().__init__(params, defaults, fp32_optimizer_states=fp32_optimizer_states, master_weights=master_weights)
+        self._coeffs: dict[int, list[float] | Tensor] = {}
+        self.last_backend: str | None = None
+
+    @property
+    def backend(self) -> str:
+        """The backend a step runs for the first param's device."""
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return "none" if first is None else device_backend("FusedLamb", first.device.type)
+
+    def get_lamb_coeffs(self) -> list[float]:
+        """The trust ratios of the last step, group by group, one per param
+        that had a grad (a host sync on the GPU path: call it when needed)."""
+        out: list[float] = []
+        for gi in sorted(self._coeffs):
+            c = self._coeffs[gi]
+            out += c.tolist() if isinstance(c, Tensor) else list(c)
+        return out
+
+    def _check_group(self, gi: int, group: dict) -> None:
+        check_adam_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_lamb_hyperparams(group["max_grad_norm"], group["max_coeff"], group["min_coeff"])
+        if group.get("amsgrad", False):
+            raise ValueError(f"param group {gi} sets amsgrad=True; FusedLamb does not implement amsgrad")
+
+    def _update(self, gi: int, group: dict, lists: GroupLists, step, grad_scale, found_inf) -> None:
+        backend = device_backend("FusedLamb", lists.device.type)
+        self.last_backend = backend
+        beta1, beta2 = group["betas"]
+        hyper = dict(
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], eps_inside_sqrt=group["eps_inside_sqrt"],
+            weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+            max_grad_norm=group["max_grad_norm"], max_coeff=group["max_coeff"], min_coeff=group["min_coeff"],
+        )  # fmt: skip
+        tensors = (lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs)
+        if backend in ("cpu", "reference"):
+            if found_inf is not None and lists.device.type != "cpu" and bool(found_inf):
+                return  # the reference on a GPU: a host sync, the fallback's price
+            run = cpu_lamb._launch if backend == "cpu" else reference.lamb_step
+            scale = None if grad_scale is None else float(grad_scale)
+            self._coeffs[gi] = run(*tensors, param_copies=lists.param_copies, step=int(step), grad_scale=scale, **hyper)
+            return
+        device = lists.device
+        coeffs = self._coeffs.get(gi)
+        if not isinstance(coeffs, Tensor) or coeffs.numel() != len(lists.params) or coeffs.device != device:
+            coeffs = torch.ones(len(lists.params), dtype=torch.float32, device=device)
+            self._coeffs[gi] = coeffs
+        step_t = step if isinstance(step, Tensor) else torch.tensor(float(step), device=device)
+        device_kernel(backend, "lamb_step")(
+            *tensors, step=step_t, grad_scale=as_device_scalar(grad_scale, device),
+            found_inf=as_device_scalar(found_inf, device), param_copies=lists.param_copies,
+            coeffs_out=coeffs, **hyper,
+        )  # fmt: skip
