@@ -28,6 +28,7 @@ class Runner:
 
     step: Callable[[], None]
     check: Callable[[], None] | None = None
+    cuda: bool = False  # time with CUDA events (the step only enqueues work)
 
 
 @dataclass
@@ -139,7 +140,7 @@ def run_case(
                     f"{case.kernel}/{case.name}: {provider.name} disagrees with the reference: {exc}"
                 ) from exc
         if provider.kind == "ours" and slowdown != 1.0:
-            runner = Runner(step=_slowed(runner.step, slowdown))
+            runner = Runner(step=_slowed(runner.step, slowdown), cuda=runner.cuda)
         runners[provider.name] = runner
         kinds[provider.name] = provider.kind
     timings = {name: Timing(name, kinds[name]) for name in runners}
@@ -155,15 +156,29 @@ def run_case(
             on_progress(f"{case.name}: round {r + 1}/{repeats}")
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no provider always first
             for name in order:
-                t0 = time.perf_counter()
-                runners[name].step()
-                timings[name].times.append(time.perf_counter() - t0)
+                timings[name].times.append(_time_one(runners[name]))
     finally:
         if gc_was_enabled:
             gc.enable()
     runners.clear()
     gc.collect()
     return CaseResult(case, timings, skipped)
+
+
+def _time_one(runner: Runner) -> float:
+    """Seconds one step takes: wall time on the CPU, CUDA events on a GPU."""
+    if not runner.cuda:
+        t0 = time.perf_counter()
+        runner.step()
+        return time.perf_counter() - t0
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    runner.step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _slowed(step: Callable[[], None], factor: float) -> Callable[[], None]:

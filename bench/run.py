@@ -38,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", type=lambda s: s.split(","), help="comma list of fp32, bf16, fp16 (default fp32,bf16)")
     ap.add_argument("--skip", action="append", default=[], metavar="PROVIDER",
                     help="leave out a provider, e.g. --skip deepspeed (repeatable)")  # fmt: skip
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the tensors live (default cpu)")
     ap.add_argument("--quick", action="store_true", help="CI-sized: small sizes, fewer repeats")
     ap.add_argument("--repeats", type=int, help="timed rounds per case (default 15, quick 21)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -67,10 +68,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = sorted(kernels.KERNELS) if (args.all or args.list) else args.kernel
     modules = [kernels.load(n) for n in names]
+    wrong = [m.NAME for m in modules if args.device not in m.DEVICES]
+    if wrong and not (args.all or args.list):
+        raise SystemExit(f"{', '.join(wrong)} does not run on --device {args.device}")
+    modules = [m for m in modules if args.device in m.DEVICES]
     if args.list:
         for mod in modules:
             print(f"{mod.NAME}: {mod.DESCRIPTION}")
-            for case in mod.cases(args.sizes, args.dtype, args.quick):
+            for case in mod.cases(args.sizes, args.dtype, args.quick, device=args.device):
                 print(f"  {case.name:<22} {case.description}; providers: {', '.join(p.name for p in case.providers)}")
         return 0
     args.repeats = repeats = args.repeats or (21 if args.quick else 15)
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
         "rows": [],
     }
     progress = _progress()
-    all_cases = [c for mod in modules for c in mod.cases(args.sizes, args.dtype, args.quick)]
+    all_cases = [c for mod in modules for c in mod.cases(args.sizes, args.dtype, args.quick, device=args.device)]
     for case in all_cases:
         case.providers = [p for p in case.providers if p.name not in args.skip]
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None

@@ -8,6 +8,8 @@ from types import ModuleType
 
 KERNELS = {
     "cpu_adam": "bench.kernels.cpu_adam",
+    "fused_adam": "bench.kernels.fused_adam",
+    "fused_lamb": "bench.kernels.fused_lamb",
 }
 
 

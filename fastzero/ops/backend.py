@@ -84,16 +84,23 @@ def triton_status(device_type: str = "cuda") -> tuple[bool, str]:
     return True, ""
 
 
-def device_backend(op: str, device_type: str) -> str:
+def device_backend(op: str, device_type: str, force: str | None = None) -> str:
     """'cuda', 'triton', 'cpu' or 'reference' for an op on `device_type`
-    tensors: the fastest available, or the one FASTZERO_BACKEND forces."""
-    forced = forced_backend()
+    tensors: the fastest available, or the one `force` (else
+    FASTZERO_BACKEND) names."""
+    if force is not None and force not in BACKENDS:
+        raise ValueError(f"backend={force!r} is not one of {', '.join(BACKENDS)}")
+    forced = force or forced_backend()
     if device_type == "cpu":
         if forced == "triton":
             ok, why = triton_status("cpu")
             if not ok:
-                raise RuntimeError(f"FASTZERO_BACKEND=triton with CPU tensors: {why}")
+                raise RuntimeError(f"the triton backend with CPU tensors: {why}")
             return "triton"
+        if forced in ("cuda",):
+            raise ValueError(f"backend {forced!r}, but {op} runs on CPU tensors: use 'cpu' or 'reference'")
+        if forced == "reference":
+            return "reference"
         return cpu_backend(op)
     if device_type != "cuda":
         raise ValueError(f"{op} does not support {device_type} tensors (CPU and CUDA only)")

@@ -53,8 +53,9 @@ class FusedAdam(AdamFamilyOptimizer):
     ``torch.optim.AdamW``'s, so checkpoints move between FusedAdam, CPUAdam
     and torch. ``step(grad_scale=, found_inf=)`` (or ``torch.amp.GradScaler``)
     unscales inside the kernel and skips on overflow without a host sync on
-    the GPU path. ``FASTZERO_BACKEND=cuda|triton|cpu|reference`` forces a
-    backend; ``last_backend`` says which ran.
+    the GPU path. ``backend="cuda"|"triton"|"cpu"|"reference"`` (or the
+    environment's ``FASTZERO_BACKEND``) forces a backend; ``last_backend`` says
+    which ran.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class FusedAdam(AdamFamilyOptimizer):
         *,
         master_weights: bool = False,
         fp32_optimizer_states: bool = True,
+        backend: str | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError("FusedAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it")
@@ -81,6 +83,7 @@ class FusedAdam(AdamFamilyOptimizer):
         )  # fmt: skip
         super().__init__(params, defaults, fp32_optimizer_states=fp32_optimizer_states, master_weights=master_weights)
         self.set_grad_none = set_grad_none
+        self.force_backend = backend  # None: the fastest here, or FASTZERO_BACKEND
         self.last_backend: str | None = None
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -90,7 +93,7 @@ class FusedAdam(AdamFamilyOptimizer):
     def backend(self) -> str:
         """The backend a step runs for the first param's device."""
         first = next((p for g in self.param_groups for p in g["params"]), None)
-        return "none" if first is None else device_backend("FusedAdam", first.device.type)
+        return "none" if first is None else device_backend("FusedAdam", first.device.type, self.force_backend)
 
     def _check_group(self, gi: int, group: dict) -> None:
         check_adam_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -98,7 +101,7 @@ class FusedAdam(AdamFamilyOptimizer):
             raise ValueError(f"param group {gi} sets amsgrad=True; FusedAdam does not implement amsgrad")
 
     def _update(self, gi: int, group: dict, lists: GroupLists, step, grad_scale, found_inf) -> None:
-        backend = device_backend("FusedAdam", lists.device.type)
+        backend = device_backend("FusedAdam", lists.device.type, self.force_backend)
         self.last_backend = backend
         beta1, beta2 = group["betas"]
         hyper = dict(

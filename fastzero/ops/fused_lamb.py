@@ -54,6 +54,7 @@ class FusedLamb(AdamFamilyOptimizer):
         *,
         master_weights: bool = False,
         fp32_optimizer_states: bool = True,
+        backend: str | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError("FusedLamb does not implement amsgrad")
@@ -66,13 +67,14 @@ class FusedLamb(AdamFamilyOptimizer):
         )  # fmt: skip
         super().__init__(params, defaults, fp32_optimizer_states=fp32_optimizer_states, master_weights=master_weights)
         self._coeffs: dict[int, list[float] | Tensor] = {}
+        self.force_backend = backend  # None: the fastest here, or FASTZERO_BACKEND
         self.last_backend: str | None = None
 
     @property
     def backend(self) -> str:
         """The backend a step runs for the first param's device."""
         first = next((p for g in self.param_groups for p in g["params"]), None)
-        return "none" if first is None else device_backend("FusedLamb", first.device.type)
+        return "none" if first is None else device_backend("FusedLamb", first.device.type, self.force_backend)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratios of the last step, group by group, one per param
@@ -90,7 +92,7 @@ class FusedLamb(AdamFamilyOptimizer):
             raise ValueError(f"param group {gi} sets amsgrad=True; FusedLamb does not implement amsgrad")
 
     def _update(self, gi: int, group: dict, lists: GroupLists, step, grad_scale, found_inf) -> None:
-        backend = device_backend("FusedLamb", lists.device.type)
+        backend = device_backend("FusedLamb", lists.device.type, self.force_backend)
         self.last_backend = backend
         beta1, beta2 = group["betas"]
         hyper = dict(
