@@ -75,7 +75,15 @@ setup(
     install_requires=["torch>=2.4", "pybind11>=2.10", "ninja"],
     extras_require={
         "bench": ["matplotlib>=3.7", "rich>=13", "pytest-benchmark>=4"],
-        "test": ["pytest>=7", "pytest-benchmark>=4", "matplotlib>=3.7", "rich>=13", "ruff>=0.6"],
+        "test": [
+            "pytest>=7",
+            "pytest-benchmark>=4",
+            "matplotlib>=3.7",
+            "rich>=13",
+            "ruff>=0.6",
+            "triton>=3.2",
+            "numpy",
+        ],  # fmt: skip
         "peers": ["deepspeed>=0.14"],
     },
     zip_safe=False,

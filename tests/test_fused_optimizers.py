@@ -223,3 +223,19 @@ def test_cuda_backend_forced_on_cpu_tensors_is_refused(monkeypatch):
     model = make_model()
     with pytest.raises(ValueError, match="CPU tensors"):
         train(model, FusedAdam(model.parameters()), 1)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLamb])
+def test_triton_backend_through_the_optimizer(cls):
+    """The optimizer drives the Triton kernels (here in Triton's interpreter on
+    CPU tensors) to the same result as its CPU path."""
+    pytest.importorskip("triton")
+    a, b = make_model(), make_model()
+    hyper = dict(lr=1e-2, weight_decay=0.01)
+    opt_triton, opt_cpu = cls(a.parameters(), backend="triton", **hyper), cls(b.parameters(), **hyper)
+    train(a, opt_triton, 3)
+    train(b, opt_cpu, 3)
+    assert opt_triton.last_backend == "triton"
+    assert_models_close(a, b)
+    if cls is FusedLamb:
+        assert opt_triton.get_lamb_coeffs() == pytest.approx(opt_cpu.get_lamb_coeffs(), rel=1e-5)

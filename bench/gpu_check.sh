@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Everything GPU-side in one go, for the occasions when a GPU is lent (one
+# H200, inside 8 minutes): build the CPU and CUDA ops, run the GPU tests and
+# the Triton tests on the GPU, run the GPU benchmarks. Logs, JSON, a Markdown
+# report and charts go to $OUT (the device tool's folder) or
+# bench/results/gpu-<date>; at most 8 files, as the device tool brings back.
+#
+#   bash bench/gpu_check.sh            # on the GPU machine
+#   bash bench/gpu_check.sh --dry-run  # anywhere: every step that needs no GPU
+#                                      # (nvcc builds for sm_80/sm_90, CPU build,
+#                                      # the GPU benchmark's case list)
+#
+# The GPU machine reaches no package registry: nothing is installed; the
+# repo runs from its folder (PYTHONPATH) with that machine's torch and
+# triton, and the native ops build just in time into a cache.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+OUT=${OUT:-bench/results/gpu-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export FASTZERO_CACHE_DIR=${FASTZERO_CACHE_DIR:-/tmp/fastzero-cache}
+PY=${PYTHON:-python3}
+status=0
+summary=()
+
+step() {  # step NAME COMMAND...: run it, its output into the one log, a line into the summary
+  local name=$1 t0=$SECONDS rc
+  shift
+  echo "== $name: $*" | tee -a "$LOG"
+  "$@" >>"$LOG" 2>&1
+  rc=$?
+  if ((rc == 0)); then
+    summary+=("ok      $name ($((SECONDS - t0)) s)")
+  else
+    summary+=("FAILED  $name (exit $rc, $((SECONDS - t0)) s)")
+    status=1
+    tail -n 30 "$LOG"
+  fi
+}
+
+step env "$PY" -c "
+import platform, torch
+try:
+    import triton; tv = triton.__version__
+except ImportError: tv = None
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', tv, 'gpu', gpu)
+"
+step build_cpu "$PY" -c "
+from fastzero.ops import native
+assert native.cpu_ops() is not None, native.cpu_ops_error()
+print('CPU kernels:', native.cpu_isa())
+"
+if ((DRY)); then
+  step compile_cuda "$PY" -c "
+from fastzero import cuda_build
+out = cuda_build.compile_check()
+print({arch: [p.name for p in objs] for arch, objs in out.items()})
+"
+  step bench_list "$PY" -m bench.run --list --device cuda
+else
+  step build_cuda "$PY" -c "
+from fastzero.ops import cuda
+ok, why = cuda.available()
+assert ok, why
+print('CUDA kernels ready')
+"
+  step tests_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/
+  step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+  step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
+    --json "$OUT/gpu.json" --report "$OUT/gpu.md"
+fi
+
+echo "== summary ($SECONDS s; files in $OUT)" | tee -a "$LOG"
+printf '%s\n' "${summary[@]}" | tee -a "$LOG"
+if [[ -f "$OUT/gpu.md" ]]; then grep -E '^\| fastzero|^## ' "$OUT/gpu.md"; fi
+exit $status

@@ -1,0 +1,92 @@
+/* The C ABI of fastzero's CUDA kernels (libfastzero_cuda.so), loaded by
+ * fastzero/ops/cuda.py with ctypes. No PyTorch here (DESIGN.md rule 2): raw
+ * device pointers, element counts, dtype codes and a cudaStream_t passed as
+ * void*.
+ *
+ * Conventions shared by every entry point:
+ *  - Lists of tensors are host arrays of n device pointers (all of one dtype
+ *    per list) and a host array of n element counts; every tensor contiguous.
+ *  - Dtype codes are csrc/cpu/common.h's: 0 fp32, 1 fp16, 2 bf16, -1 none.
+ *  - Scalars that change every step live on the device and are read there,
+ *    so no call ever waits for the GPU: `step` (t >= 1, float32), `grad_scale`
+ *    (grads are divided by it; NULL for none) and `found_inf` (when nonzero
+ *    the kernels change nothing; NULL for none).
+ *  - Every call only enqueues work on `stream` and returns 0, or a nonzero
+ *    FZ_ERR_* code with a message that fz_cuda_last_error() returns (per
+ *    thread). Nothing here aborts the process.
+ *  - `partials` are scratch buffers the caller allocates on the device:
+ *    fz_cuda_chunk_elems() elements per chunk, a tensor of numel elements has
+ *    ceil(numel / chunk) chunks.
+ */
+#ifndef FASTZERO_CUDA_H_
+#define FASTZERO_CUDA_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FZ_API __attribute__((visibility("default")))
+
+/* Bumped whenever a signature below changes; Python refuses a mismatch. */
+#define FZ_CUDA_ABI_VERSION 1
+
+enum {
+  FZ_OK = 0,
+  FZ_ERR_INVALID_ARGUMENT = 1, /* caught before any launch; nothing changed */
+  FZ_ERR_CUDA = 2,             /* a launch failed; the message has CUDA's words */
+  FZ_ERR_INTERNAL = 3
+};
+
+FZ_API int fz_cuda_abi_version(void);
+FZ_API const char* fz_cuda_last_error(void);
+/* Elements per chunk: one thread block's share of a tensor. */
+FZ_API int64_t fz_cuda_chunk_elems(void);
+/* 0 when the kernels can run on the current device; otherwise FZ_ERR_CUDA
+ * and a message naming the cause (no driver, a driver older than the
+ * runtime the library was built with, no code for this GPU's architecture). */
+FZ_API int fz_cuda_check_device(void);
+
+/* Adam/AdamW, fastzero/ops/reference/adam.py. p: fp32/fp16/bf16; g: any;
+ * m, v: fp32 or p's dtype; copy (NULL or one per tensor): fp16/bf16, only
+ * for fp32 p. bias corrections 1 - beta^step are computed on the device. */
+FZ_API int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* const* v,
+                        void* const* copy, const int64_t* numel, int n, int p_dtype,
+                        int g_dtype, int s_dtype, int c_dtype, const float* step, double lr,
+                        double beta1, double beta2, double eps, double weight_decay,
+                        int bias_correction, int adamw_mode, const float* grad_scale,
+                        const float* found_inf, void* stream);
+
+/* Per-chunk sums of (x / scale)^2 in fp64, into partials[0 .. chunks): the
+ * first pass of an L2 norm over a list of tensors of one dtype. */
+FZ_API int fz_cuda_l2norm_partials(void* const* x, const int64_t* numel, int n, int dtype,
+                                   const float* scale, const float* found_inf,
+                                   double* partials, int64_t partials_len, void* stream);
+
+/* Gradient clipping factor from all partials of fz_cuda_l2norm_partials:
+ * *clip_out = max(1, sqrt(sum) / max_norm), as float32. */
+FZ_API int fz_cuda_clip_factor(const double* partials, int64_t partials_len, double max_norm,
+                               const float* found_inf, float* clip_out, void* stream);
+
+/* LAMB (DeepSpeed's FusedLamb math), fastzero/ops/reference/lamb.py, for one
+ * dtype group of a list: phase 1 updates m and v and sums ||p||^2, ||u||^2
+ * per chunk into partials[0 .. 2*chunks); a trust-ratio kernel turns them
+ * into r per tensor (ratio_scratch[i], fp64 scratch of n values, and
+ * coeffs_out[out_index[i]]); phase 2 recomputes u and updates p (and copy). `clip`: NULL or the device
+ * factor of fz_cuda_clip_factor. Dtype rules as fz_cuda_adam's. */
+FZ_API int fz_cuda_lamb(void* const* p, void* const* g, void* const* m, void* const* v,
+                        void* const* copy, const int64_t* numel, const int64_t* out_index,
+                        int n, int p_dtype, int g_dtype, int s_dtype, int c_dtype,
+                        const float* step, double lr, double beta1, double beta2, double eps,
+                        int eps_inside_sqrt, double weight_decay, int bias_correction,
+                        double max_coeff, double min_coeff, const float* grad_scale,
+                        const float* clip, const float* found_inf, double* partials,
+                        int64_t partials_len, double* ratio_scratch, float* coeffs_out,
+                        void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FASTZERO_CUDA_H_ */

@@ -1,0 +1,446 @@
+"""The CUDA backend of the optimizer ops: Python side of csrc/cuda.
+
+Python owns the tensors: every check (device, dtype, contiguity, sizes)
+happens here, before a pointer reaches the kernels' C ABI
+(csrc/cuda/fastzero_cuda.h), which is loaded with ctypes. The library is
+built just in time with nvcc into a cache on first use
+(:func:`fastzero.cuda_build.jit_build`), or taken from ``$FASTZERO_CUDA_LIB``
+or an install-time build beside the package. Importing this module never
+fails: without a GPU, nvcc or a working build, :func:`available` says why and
+the step functions raise that reason when called.
+
+Per-step scalars stay on the device, so a step never waits for the GPU:
+``step`` (t >= 1), ``grad_scale`` and ``found_inf`` are 0-d float32 tensors
+read by the kernels, which compute the bias corrections themselves and change
+nothing when ``found_inf`` is nonzero. Lists may mix dtypes: each dtype
+combination is one multi-tensor launch (or a few, for very long lists).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fastzero import cuda_build
+from fastzero.ops.checks import FLOAT_DTYPES, check_adam_hyperparams, check_contiguous, check_same_size
+
+# Dtype codes shared with csrc/cuda/common.cuh (and csrc/cpu/common.h).
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+NO_DTYPE = -1
+ABI_VERSION = 1  # FZ_CUDA_ABI_VERSION of fastzero_cuda.h
+
+_ADAM_CPU_HINT = (
+    "; for CPU tensors use fastzero.ops.CPUAdam (or cpu_adam_step), or FusedAdam, which takes its CPU path for them"
+)
+_LAMB_CPU_HINT = "; for CPU tensors use fastzero.ops.FusedLamb, which takes its CPU path for them"
+
+_VP, _I, _I64, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
+_PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
+_SIGNATURES = {
+    "fz_cuda_abi_version": (_I, []),
+    "fz_cuda_last_error": (ctypes.c_char_p, []),
+    "fz_cuda_chunk_elems": (_I64, []),
+    "fz_cuda_check_device": (_I, []),
+    "fz_cuda_adam": (
+        _I,
+        [_PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _I64S, _I, _I, _I, _I, _I, _VP, _D, _D, _D, _D, _D, _I, _I, _VP, _VP, _VP],
+    ),
+    "fz_cuda_l2norm_partials": (_I, [_PTRS, _I64S, _I, _I, _VP, _VP, _VP, _I64, _VP]),
+    "fz_cuda_clip_factor": (_I, [_VP, _I64, _D, _VP, _VP, _VP]),
+    "fz_cuda_lamb": (
+        _I,
+        [_PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _I64S, _I64S, _I, _I, _I, _I, _I, _VP, _D, _D, _D, _D, _I, _D, _I, _D,
+         _D, _VP, _VP, _VP, _VP, _I64, _VP, _VP, _VP],
+    ),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# Loading the library
+
+
+def _prebuilt_library() -> Path | None:
+    explicit = os.environ.get("FASTZERO_CUDA_LIB")
+    if explicit:
+        return Path(explicit)
+    beside = Path(__file__).resolve().parent.parent / cuda_build.LIBRARY  # an install-time build
+    return beside if beside.is_file() else None
+
+
+def _jit_archs() -> tuple[str, ...]:
+    """The architectures to build: $FASTZERO_CUDA_ARCHS ("80;90;100"), else
+    sm_80 and sm_90 (whose code also runs on sm_86/sm_89) plus that of any
+    other visible GPU."""
+    forced = os.environ.get("FASTZERO_CUDA_ARCHS", "").replace(",", ";")
+    if forced.strip():
+        return tuple(a.strip().removeprefix("sm_") for a in forced.split(";") if a.strip())
+    archs = list(cuda_build.ARCHS)
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            if major not in (8, 9):
+                archs.append(f"{major}{minor}")
+    return tuple(dict.fromkeys(archs))
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declares the C ABI's signatures on a loaded library (ctypes then
+    converts and checks every argument)."""
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded library, or None and why not. Builds it if needed (once)."""
+    path = _prebuilt_library()
+    if path is None:
+        if os.environ.get("FASTZERO_JIT", "1") == "0":
+            return None, "no prebuilt CUDA library, and FASTZERO_JIT=0 forbids building it"
+        try:
+            path = cuda_build.jit_build(_jit_archs())
+        except cuda_build.BuildError as exc:
+            return None, f"the just-in-time build of the CUDA kernels failed: {exc}"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"cannot load {path}: {exc}"
+    try:
+        bind(lib)
+    except AttributeError as exc:
+        return None, f"{path} is not fastzero's CUDA library ({exc}); rebuild it"
+    if lib.fz_cuda_abi_version() != ABI_VERSION:
+        return None, (
+            f"{path} speaks C ABI version {lib.fz_cuda_abi_version()}, this fastzero needs {ABI_VERSION}; "
+            "rebuild it (or unset FASTZERO_CUDA_LIB)"
+        )
+    return lib, ""
+
+
+def _no_device_reason() -> str | None:
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    return None
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the CUDA kernels can run on the current device, else
+    (False, why): no CUDA device, no nvcc, a failed build or load, or a
+    driver or GPU the library cannot run on. Builds the library on first
+    call if needed (under a minute), never raises."""
+    why = _no_device_reason()
+    if why is not None:
+        return False, why
+    lib, why = _load()
+    if lib is None:
+        return False, why
+    return _device_check(torch.cuda.current_device())
+
+
+@functools.cache
+def _device_check(index: int) -> tuple[bool, str]:
+    lib = _load()[0]
+    with torch.cuda.device(index):
+        if lib.fz_cuda_check_device() != 0:
+            return False, lib.fz_cuda_last_error().decode(errors="replace")
+    return True, ""
+
+
+def _lib(op: str) -> ctypes.CDLL:
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"fastzero.ops.cuda.{op}: the CUDA kernels are unavailable: {why}")
+    return lib
+
+
+def _check_rc(lib: ctypes.CDLL, rc: int, op: str) -> None:
+    if rc != 0:
+        message = (lib.fz_cuda_last_error() or b"").decode(errors="replace")
+        raise RuntimeError(f"fastzero.ops.cuda.{op}: the CUDA kernel call failed (code {rc}): {message}")
+
+
+# ---------------------------------------------------------------------------
+# Checks: everything the kernels assume, before any pointer crosses.
+
+
+def _check_lists(op: str, params, others: dict) -> None:
+    for name, seq in others.items():
+        if seq is not None and len(seq) != len(params):
+            raise ValueError(f"{op}: {len(params)} params but {len(seq)} {name}")
+
+
+def _check_cuda_tensor(t, what: str, device: torch.device | None, hint: str = "") -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{what} is on {t.device}; fastzero.ops.cuda updates CUDA tensors{hint}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{what} is on {t.device} but params[0] is on {device}; one call updates one device")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what} is sparse ({t.layout}); the kernels need dense tensors (convert with .to_dense())")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{what} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+    check_contiguous(t, what)
+
+
+def _check_scalar_type(t, what: str, required: bool) -> None:
+    if t is None:
+        if required:
+            raise TypeError(f"{what} is required: a 0-d float32 tensor on the params' device")
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(
+            f"{what} must be a 0-d float32 tensor on the params' device (the kernels read it there, so a step "
+            f"never waits for the GPU), got {type(t).__name__}"
+        )
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise TypeError(f"{what} must be one float32 value (0-d tensor), got {t.dtype} of shape {tuple(t.shape)}")
+
+
+def _check_scalar_device(t, what: str, device: torch.device) -> None:
+    if t is not None and t.device != device:
+        raise ValueError(f"{what} is on {t.device} but the params are on {device}; keep it on their device")
+
+
+def _check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, hint) -> torch.device | None:
+    """The tensor rules of every optimizer kernel; returns the device."""
+    _check_lists(op, params, {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
+                              "param_copies": param_copies})  # fmt: skip
+    device = None
+    for i, p in enumerate(params):
+        _check_cuda_tensor(p, f"params[{i}]", device, hint)
+        device = p.device
+        g, m, v = grads[i], exp_avgs[i], exp_avg_sqs[i]
+        _check_cuda_tensor(g, f"grads[{i}]", device, hint)
+        check_same_size(g, p, f"grads[{i}]", f"params[{i}]")
+        for name, s in (("exp_avgs", m), ("exp_avg_sqs", v)):
+            _check_cuda_tensor(s, f"{name}[{i}]", device, hint)
+            check_same_size(s, p, f"{name}[{i}]", f"params[{i}]")
+            if s.dtype not in (torch.float32, p.dtype):
+                raise TypeError(
+                    f"{name}[{i}] is {s.dtype}; optimizer states must be float32 or the param's dtype ({p.dtype})"
+                )
+        if m.dtype != v.dtype:
+            raise TypeError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}; use one state dtype")
+        if param_copies is not None:
+            c = param_copies[i]
+            _check_cuda_tensor(c, f"param_copies[{i}]", device, hint)
+            check_same_size(c, p, f"param_copies[{i}]", f"params[{i}]")
+            if p.dtype != torch.float32 or c.dtype == torch.float32:
+                raise TypeError(
+                    f"param_copies[{i}] ({c.dtype}) for params[{i}] ({p.dtype}): copies are bf16/fp16 "
+                    "copies of fp32 master params"
+                )
+    return device
+
+
+# ---------------------------------------------------------------------------
+# Marshalling
+
+
+def _groups(params, grads, exp_avgs, param_copies) -> dict[tuple, list[int]]:
+    """Tensor indices by dtype combination (param, grad, state, copy or None),
+    in first-seen order: one multi-tensor launch each."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
+        c = None if param_copies is None else param_copies[i].dtype
+        groups[(p.dtype, g.dtype, m.dtype, c)].append(i)
+    return groups
+
+
+def _ptrs(tensors, idx):
+    return (ctypes.c_void_p * len(idx))(*[tensors[i].data_ptr() for i in idx])
+
+
+def _numels(tensors, idx):
+    return (ctypes.c_int64 * len(idx))(*[tensors[i].numel() for i in idx])
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _num_chunks(numel: int, chunk: int) -> int:
+    return -(-numel // chunk)
+
+
+def _codes(key: tuple) -> tuple[int, int, int, int]:
+    p, g, s, c = key
+    return DTYPE_CODES[p], DTYPE_CODES[g], DTYPE_CODES[s], NO_DTYPE if c is None else DTYPE_CODES[c]
+
+
+# ---------------------------------------------------------------------------
+# The ops
+
+
+def adam_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    adamw_mode: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    param_copies: list[Tensor] | None = None,
+) -> None:
+    r"""One Adam/AdamW step over lists of CUDA tensors, in one pass over memory
+    per dtype combination: :func:`fastzero.ops.reference.adam_step`'s math in
+    fp32 whatever the storage dtypes.
+
+    .. math::
+        g &\leftarrow g / s \qquad (s = \text{grad\_scale}) \\
+        p &\leftarrow p\,(1 - \text{lr}\cdot\text{wd}) \text{ (AdamW) } \quad\text{or}\quad
+            g \leftarrow g + \text{wd}\cdot p \text{ (Adam)} \\
+        m &\leftarrow \beta_1 m + (1-\beta_1) g \qquad
+        v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        p &\leftarrow p - \text{lr}\,\frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon}
+            \qquad bc_i = 1 - \beta_i^{t}
+
+    Params fp32/bf16/fp16; grads any of these; states fp32 or the param's
+    dtype; ``param_copies`` (fp32 params only) bf16/fp16 tensors written in
+    the same pass. ``step`` is a 0-d float32 tensor on the params' device
+    holding t >= 1; ``grad_scale`` (grads are divided by it) and
+    ``found_inf`` (nonzero: nothing changes) likewise, or None. The work is
+    enqueued on the current CUDA stream; nothing waits for it.
+    """
+    op = "adam_step"
+    _check_scalar_type(step, "step", required=True)
+    _check_scalar_type(grad_scale, "grad_scale", required=False)
+    _check_scalar_type(found_inf, "found_inf", required=False)
+    device = _check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, _ADAM_CPU_HINT)
+    check_adam_hyperparams(lr, (beta1, beta2), eps, weight_decay)
+    if device is None:
+        return  # no tensors
+    for t, what in ((step, "step"), (grad_scale, "grad_scale"), (found_inf, "found_inf")):
+        _check_scalar_device(t, what, device)
+    lib = _lib(op)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        for key, idx in _groups(params, grads, exp_avgs, param_copies).items():
+            rc = lib.fz_cuda_adam(
+                _ptrs(params, idx), _ptrs(grads, idx), _ptrs(exp_avgs, idx), _ptrs(exp_avg_sqs, idx),
+                None if param_copies is None else _ptrs(param_copies, idx),
+                _numels(params, idx), len(idx), *_codes(key),
+                step.data_ptr(), lr, beta1, beta2, eps, weight_decay, int(bias_correction), int(adamw_mode),
+                _ptr(grad_scale), _ptr(found_inf), stream,
+            )  # fmt: skip
+            _check_rc(lib, rc, op)
+
+
+def lamb_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    eps_inside_sqrt: bool,
+    weight_decay: float,
+    bias_correction: bool,
+    max_grad_norm: float,
+    max_coeff: float,
+    min_coeff: float,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    param_copies: list[Tensor] | None = None,
+    coeffs_out: Tensor,
+) -> None:
+    r"""One LAMB step over lists of CUDA tensors:
+    :func:`fastzero.ops.reference.lamb_step`'s math (DeepSpeed's FusedLamb)
+    in fp32 whatever the storage dtypes, with the trust ratio of tensor i
+    written to ``coeffs_out[i]`` (a float32 tensor of len(params) elements on
+    the params' device).
+
+    On the device, without a host sync: the global grad norm (when
+    ``max_grad_norm > 0``) over the whole list; phase 1 updates m and v and
+    sums ||p||^2 and ||u||^2 per tensor; phase 2 recomputes u and applies
+    p -= lr sqrt(bc2) / bc1 * r * u. Dtype rules, ``step``, ``grad_scale``,
+    ``found_inf`` and ``param_copies`` as :func:`adam_step`'s; when
+    ``found_inf`` is nonzero, ``coeffs_out`` is left unchanged too.
+    """
+    op = "lamb_step"
+    _check_scalar_type(step, "step", required=True)
+    _check_scalar_type(grad_scale, "grad_scale", required=False)
+    _check_scalar_type(found_inf, "found_inf", required=False)
+    device = _check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, _LAMB_CPU_HINT)
+    check_adam_hyperparams(lr, (beta1, beta2), eps, weight_decay)
+    if not math.isfinite(max_grad_norm) or max_grad_norm < 0.0:
+        raise ValueError(f"invalid max_grad_norm {max_grad_norm}: it must be a finite number >= 0 (0: no clipping)")
+    if not (math.isfinite(min_coeff) and math.isfinite(max_coeff) and 0.0 <= min_coeff <= max_coeff):
+        raise ValueError(
+            f"invalid trust ratio bounds min_coeff={min_coeff}, max_coeff={max_coeff}: need 0 <= min <= max"
+        )
+    if not isinstance(coeffs_out, Tensor):
+        raise TypeError(f"coeffs_out must be a float32 tensor, got {type(coeffs_out).__name__}")
+    if device is None:
+        return  # no tensors
+    if coeffs_out.dtype != torch.float32 or coeffs_out.numel() != len(params):
+        raise ValueError(
+            f"coeffs_out must be float32 with one element per param ({len(params)}), got {coeffs_out.dtype} "
+            f"with {coeffs_out.numel()}"
+        )
+    _check_cuda_tensor(coeffs_out, "coeffs_out", device)
+    for t, what in ((step, "step"), (grad_scale, "grad_scale"), (found_inf, "found_inf")):
+        _check_scalar_device(t, what, device)
+    lib = _lib(op)
+    chunk = lib.fz_cuda_chunk_elems()
+    inf_ptr = _ptr(found_inf)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        # Scratch lives on the current stream: the caching allocator reuses it
+        # only for work queued after these kernels.
+        clip = None
+        if max_grad_norm > 0.0:
+            by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+            for i, g in enumerate(grads):
+                by_dtype[g.dtype].append(i)
+            counts = {dt: sum(_num_chunks(grads[i].numel(), chunk) for i in idx) for dt, idx in by_dtype.items()}
+            total = sum(counts.values())
+            partials = torch.empty(max(total, 1), dtype=torch.float64, device=device)
+            offset = 0
+            for dt, idx in by_dtype.items():
+                rc = lib.fz_cuda_l2norm_partials(
+                    _ptrs(grads, idx), _numels(grads, idx), len(idx), DTYPE_CODES[dt], _ptr(grad_scale), inf_ptr,
+                    partials.data_ptr() + 8 * offset, counts[dt], stream,
+                )  # fmt: skip
+                _check_rc(lib, rc, op)
+                offset += counts[dt]
+            clip = torch.empty((), dtype=torch.float32, device=device)
+            rc = lib.fz_cuda_clip_factor(partials.data_ptr(), total, max_grad_norm, inf_ptr, clip.data_ptr(), stream)
+            _check_rc(lib, rc, op)
+        for key, idx in _groups(params, grads, exp_avgs, param_copies).items():
+            chunks = sum(_num_chunks(params[i].numel(), chunk) for i in idx)
+            partials = torch.empty(max(2 * chunks, 1), dtype=torch.float64, device=device)
+            ratio = torch.empty(len(idx), dtype=torch.float64, device=device)
+            rc = lib.fz_cuda_lamb(
+                _ptrs(params, idx), _ptrs(grads, idx), _ptrs(exp_avgs, idx), _ptrs(exp_avg_sqs, idx),
+                None if param_copies is None else _ptrs(param_copies, idx),
+                _numels(params, idx), (ctypes.c_int64 * len(idx))(*idx), len(idx), *_codes(key),
+                step.data_ptr(), lr, beta1, beta2, eps, int(eps_inside_sqrt), weight_decay, int(bias_correction),
+                max_coeff, min_coeff, _ptr(grad_scale), _ptr(clip), inf_ptr,
+                partials.data_ptr(), 2 * chunks, ratio.data_ptr(), coeffs_out.data_ptr(), stream,
+            )  # fmt: skip
+            _check_rc(lib, rc, op)

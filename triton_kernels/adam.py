@@ -1,0 +1,166 @@
+r"""Fused multi-tensor Adam/AdamW in Triton: one pass over memory per step, one
+launch per dtype combination (see ``_multi_tensor`` for the work list).
+
+.. math::
+    g &\leftarrow g / s \qquad (s = \text{grad\_scale}, 1 \text{ if None}) \\
+    p &\leftarrow p\,(1 - \text{lr}\cdot\text{wd}) \text{ (AdamW) } \quad\text{or}\quad
+        g \leftarrow g + \text{wd}\cdot p \text{ (Adam)} \\
+    m &\leftarrow \beta_1 m + (1-\beta_1) g \qquad
+    v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+    p &\leftarrow p - \frac{\text{lr}}{bc_1}\,\frac{m}{\sqrt{v} / \sqrt{bc_2} + \epsilon}
+        \qquad bc_i = 1 - \beta_i^{t} \text{ (1 without bias correction)}
+
+Math in fp32 whatever the storage dtypes (fp32/bf16/fp16 params and grads,
+fp32 or param-dtype states, optional bf16/fp16 copies of fp32 params written in
+the same pass). The source of truth is ``fastzero.ops.reference.adam_step``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._multi_tensor import (
+    _bias_corrections,
+    _item,
+    _to_fp32,
+    _to_storage,
+    _typed_ptr,
+    check_inputs,
+    launch_config,
+    log_beta,
+    work_list,
+)
+
+
+@triton.jit
+def _adam_math(p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+               step_size, sqrt_bc2, ADAMW: tl.constexpr):  # fmt: skip
+    """The update, in fp32, in the reference's order of operations."""
+    if ADAMW:
+        p = p * decay
+    else:
+        g = g + weight_decay * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    # IEEE sqrt and division, as torch rounds them (on GPUs tl.sqrt and `/` are approximate)
+    denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
+    p = p - tl.div_rn(step_size * m, denom)
+    return p, m, v
+
+
+@triton.jit
+def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, mask, grad_scale, decay, weight_decay, beta1,
+                one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, HAS_GRAD_SCALE: tl.constexpr,
+                ADAMW: tl.constexpr):  # fmt: skip
+    """Load, update and store one block (``mask`` None: a full block, unmasked so that it vectorizes)."""
+    p = _to_fp32(tl.load(p_ptr + offs, mask=mask))
+    g = _to_fp32(tl.load(g_ptr + offs, mask=mask))
+    m = _to_fp32(tl.load(m_ptr + offs, mask=mask))
+    v = _to_fp32(tl.load(v_ptr + offs, mask=mask))
+    if HAS_GRAD_SCALE:
+        g = tl.div_rn(g, grad_scale)
+    p, m, v = _adam_math(p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                         step_size, sqrt_bc2, ADAMW)  # fmt: skip
+    tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, _to_storage(m, m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, _to_storage(v, v_ptr.dtype.element_ty), mask=mask)
+    if c_ptr is not None:
+        tl.store(c_ptr + offs, _to_storage(p, c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adam_kernel(
+    addrs_ptr, numels_ptr, item_tensor_ptr, item_start_ptr, n_tensors,
+    step_ptr, grad_scale_ptr, found_inf_ptr,
+    lr, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps,
+    P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
+    C_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+    ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
+):  # fmt: skip
+    """One program per work item (``item_*_ptr`` start at this launch's first item)."""
+    item = tl.program_id(0)
+    found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
+    if found_inf == 0.0:  # decided on the device: no host sync
+        t, start, end, n_full = _item(item_tensor_ptr, item_start_ptr, numels_ptr, item, BLOCK_SIZE, BLOCKS_PER_ITEM)
+        p_ptr = _typed_ptr(addrs_ptr, 0, n_tensors, t, P_DTYPE, ALIGNED)
+        g_ptr = _typed_ptr(addrs_ptr, 1, n_tensors, t, G_DTYPE, ALIGNED)
+        m_ptr = _typed_ptr(addrs_ptr, 2, n_tensors, t, M_DTYPE, ALIGNED)
+        v_ptr = _typed_ptr(addrs_ptr, 3, n_tensors, t, V_DTYPE, ALIGNED)
+        c_ptr = None
+        if C_DTYPE is not None:
+            c_ptr = _typed_ptr(addrs_ptr, 4, n_tensors, t, C_DTYPE, ALIGNED)
+        grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
+        bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, BIAS_CORRECTION)
+        step_size = (tl.cast(lr, tl.float64) / bc1).to(tl.float32)
+        sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
+
+        # Full blocks without a mask (the numel loaded here is unknown to the compiler, and a
+        # mask on it would keep loads scalar), then at most one masked tail.
+        for b in range(0, n_full):
+            offs = start + b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, None, grad_scale, decay, weight_decay, beta1,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, HAS_GRAD_SCALE,
+                        ADAMW)  # fmt: skip
+        tail = start + n_full * BLOCK_SIZE
+        if tail < end:
+            offs = tail + tl.arange(0, BLOCK_SIZE)
+            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, offs < end, grad_scale, decay, weight_decay,
+                        beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, HAS_GRAD_SCALE,
+                        ADAMW)  # fmt: skip
+
+
+def _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale, found_inf, scalars, flags):
+    block, per_item, num_warps = launch_config()
+    wl = work_list([params, grads, exp_avgs, exp_avg_sqs, param_copies], block * per_item)
+    for grp in wl.groups:
+        if grp.end == grp.begin:
+            continue  # only empty tensors
+        p_dt, g_dt, m_dt, v_dt, c_dt = grp.dtypes
+        _adam_kernel[(grp.end - grp.begin,)](
+            wl.addrs, wl.numels, wl.item_tensor[grp.begin :], wl.item_start[grp.begin :], wl.n_tensors,
+            step, grad_scale, found_inf, *scalars,
+            P_DTYPE=p_dt, G_DTYPE=g_dt, M_DTYPE=m_dt, V_DTYPE=v_dt, C_DTYPE=c_dt, ALIGNED=grp.aligned, **flags,
+            BLOCK_SIZE=block, BLOCKS_PER_ITEM=per_item, num_warps=num_warps,
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def adam_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    adamw_mode: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    param_copies: list[Tensor] | None = None,
+) -> None:
+    """One Adam/AdamW step on every tensor of the lists, in place (formula in the
+    module docstring).
+
+    ``step`` is a 0-d float32 device tensor holding t >= 1; ``grad_scale`` (0-d
+    float32) divides the grads; where ``found_inf`` (0-d float32) is nonzero nothing
+    changes. All three are read on the device: no host sync.
+    """
+    check_inputs(params, grads, exp_avgs, exp_avg_sqs, param_copies,
+                 {"step": step, "grad_scale": grad_scale, "found_inf": found_inf})  # fmt: skip
+    if not params:
+        return
+    # Host scalars in fp64, rounded once to fp32 as the reference's torch ops round them.
+    scalars = (lr, 1.0 - lr * weight_decay, weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
+               log_beta(beta1), log_beta(beta2), eps)  # fmt: skip
+    scalars = tuple(float(x) for x in scalars)  # a Python int would make Triton specialize the kernel
+    flags = dict(HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+                 ADAMW=bool(adamw_mode), BIAS_CORRECTION=bool(bias_correction))  # fmt: skip
+    _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale, found_inf, scalars, flags)
