@@ -6,7 +6,7 @@
 //            its chunks' sums in a fixed order: deterministic
 //   phase 2  u recomputed from p and the stored m, v; p -= lr * sqrt(bc2) / bc1 * r * u
 // The math lives in lamb_math only; the storage dtypes instantiate it. With
-// bf16/fp16 states, phase 2 sees m and v as stored (rounded) where the
+// bf16/fp16 states, both phases see m and v as stored (rounded) where the
 // reference uses them unrounded: a difference far below the rounding of the
 // params of the same dtype that such states go with.
 #include <cmath>
@@ -52,12 +52,14 @@ __device__ LambConsts lamb_consts(const LambArgs& a) {
 // One element of LAMB, fp32, in the reference's order of operations. Phase 1
 // updates the moments m, v from the grad g; phase 2 takes them as stored (g
 // unused). Both return the update direction u.
-template <int kPhase>
+// Phase 1 measures u from m and v as they will be stored (rounded to S), so
+// that its norm is the norm of the u phase 2 applies (the CPU kernel does the same).
+template <int kPhase, typename S>
 __device__ __forceinline__ float lamb_math(float p, float g, float& m, float& v, const LambConsts& k) {
   if constexpr (kPhase == 1) {
     g = g / k.grad_scale / k.clip;
-    m = k.beta1 * m + k.one_minus_beta1 * g;
-    v = k.beta2 * v + k.one_minus_beta2 * g * g;
+    m = to_float(from_float<S>(k.beta1 * m + k.one_minus_beta1 * g));
+    v = to_float(from_float<S>(k.beta2 * v + k.one_minus_beta2 * g * g));
   }
   const float denom = k.eps_inside_sqrt ? sqrtf(v + k.eps) : sqrtf(v) + k.eps;
   return m / denom + k.weight_decay * p;
@@ -90,7 +92,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_phase1_kernel(TensorListMeta<
     vl.load(v, tile);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const float u = lamb_math<1>(pl.x[j], gl.x[j], ml.x[j], vl.x[j], k);
+      const float u = lamb_math<1, S>(pl.x[j], gl.x[j], ml.x[j], vl.x[j], k);
       if (tile.valid(j)) {
         sums[0] += double(pl.x[j]) * double(pl.x[j]);
         sums[1] += double(u) * double(u);
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_phase2_kernel(TensorListMeta<
     vl.load(v, tile);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const float u = lamb_math<2>(pl.x[j], 0.0f, ml.x[j], vl.x[j], k);
+      const float u = lamb_math<2, S>(pl.x[j], 0.0f, ml.x[j], vl.x[j], k);
       pl.x[j] = pl.x[j] + alpha * u;
       cl.x[j] = pl.x[j];
     }
