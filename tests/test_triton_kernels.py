@@ -264,11 +264,11 @@ def test_found_inf_changes_nothing(opt):
 def test_bad_inputs_raise_clear_errors():
     p, g, m, v = make_tensors([7, 9], [(F32, F32, F32, None)])[:4]
     kw = dict(step=scalar(1), **ADAM)
-    with pytest.raises(ValueError, match="grads has 1 tensors"):
+    with pytest.raises(ValueError, match="2 params but 1 grads"):
         adam.adam_step(p, g[:1], m, v, **kw)
-    with pytest.raises(TypeError, match=r"exp_avgs\[1\] has dtype torch.float16"):
+    with pytest.raises(TypeError, match=r"exp_avgs\[1\] is torch.float16; optimizer states must be float32"):
         adam.adam_step(p, g, [m[0], m[1].half()], v, **kw)
-    with pytest.raises(TypeError, match="copies are bf16/fp16 copies of fp32 params"):
+    with pytest.raises(TypeError, match="copies are bf16/fp16 copies of fp32 master params"):
         adam.adam_step(p, g, m, v, param_copies=[x.clone() for x in p], **kw)
     with pytest.raises(ValueError, match=r"grads\[1\] has shape \(8,\)"):
         adam.adam_step(p, [g[0], g[1][:8]], m, v, **kw)

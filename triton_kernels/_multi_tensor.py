@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fastzero.checks import check_device_step
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The interpreter of Triton 3.9 converts bf16 wrongly: fp32 -> bf16 truncates (GPUs round
 # to nearest even, as torch does), and bf16 subnormals -> fp32 come out wrong. There the
@@ -36,7 +38,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BF16_BY_HAND = tl.constexpr(INTERPRET)
 
 ROLES = ("param", "grad", "exp_avg", "exp_avg_sq", "param_copy")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -214,49 +215,8 @@ def check_inputs(
     param_copies: list[Tensor] | None,
     scalars: dict[str, Tensor | None],
 ) -> None:
-    """Lists of equal length; dense contiguous fp32/bf16/fp16 tensors of matching
-    sizes on one device; states fp32 or the param's dtype; copies bf16/fp16 of fp32
-    params only; the device scalars 0-d float32 on that device."""
-    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    if param_copies is not None:
-        lists["param_copies"] = param_copies
-    for name, lst in lists.items():
-        if not isinstance(lst, (list, tuple)):
-            raise TypeError(f"{name} must be a list of tensors, got {type(lst).__name__}")
-        if len(lst) != len(params):
-            raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
-    if not params:
-        return
-    device = params[0].device if isinstance(params[0], Tensor) else None
-    if device is not None and device.type != "cuda" and not (INTERPRET and device.type == "cpu"):
-        raise ValueError(
-            f"params are on {device}; the Triton kernels update CUDA tensors "
-            "(CPU tensors only under the interpreter, TRITON_INTERPRET=1 set before importing triton)"
-        )
-    for name, lst in lists.items():
-        for i, t in enumerate(lst):
-            what = f"{name}[{i}]"
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-            if t.device != device:
-                raise ValueError(f"{what} is on {t.device} but params[0] is on {device}")
-            if t.layout != torch.strided or not t.is_contiguous():
-                raise ValueError(f"{what} must be dense and contiguous (the kernel updates memory in place)")
-            if t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"{what} has dtype {t.dtype}; supported: float32, bfloat16, float16")
-            p = params[i]
-            if t.shape != p.shape:
-                raise ValueError(f"{what} has shape {tuple(t.shape)} but params[{i}] has shape {tuple(p.shape)}")
-            if name in ("exp_avgs", "exp_avg_sqs") and t.dtype not in (torch.float32, p.dtype):
-                raise TypeError(f"{what} has dtype {t.dtype}; optimizer states are float32 or the param's {p.dtype}")
-            if name == "param_copies" and (p.dtype != torch.float32 or t.dtype == torch.float32):
-                raise TypeError(
-                    f"{what} is {t.dtype} for a {p.dtype} param; copies are bf16/fp16 copies of fp32 params"
-                )
-    for name, t in scalars.items():
-        if t is None:
-            continue
-        if not isinstance(t, Tensor) or t.dtype != torch.float32 or t.dim() != 0:
-            raise TypeError(f"{name} must be a 0-d float32 tensor (read on the device, no host sync)")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but params[0] is on {device}")
+    """fastzero.checks.check_device_step, on CUDA tensors (CPU tensors
+    too under the interpreter)."""
+    hint = " (CPU tensors only under the interpreter, TRITON_INTERPRET=1 set before importing triton)"
+    check_device_step("the Triton kernels", params, grads, exp_avgs, exp_avg_sqs, param_copies, scalars,
+                      device_types=("cuda", "cpu") if INTERPRET else ("cuda",), hint=hint)  # fmt: skip

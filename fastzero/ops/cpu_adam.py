@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.ops import native, reference
-from fastzero.ops.backend import cpu_backend
-from fastzero.ops.checks import (
+from fastzero.checks import (
     check_adam_hyperparams,
     check_cpu_tensor,
     check_grad_scale,
     check_optimizer_lists,
     check_step,
 )
+from fastzero.ops import native, reference
+from fastzero.ops.backend import cpu_backend
 from fastzero.ops.optimizer import AdamFamilyOptimizer, GroupLists
 
 _GPU_HINT = "; for GPU parameters use fastzero.ops.FusedAdam"

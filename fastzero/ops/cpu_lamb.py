@@ -9,16 +9,15 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from fastzero.checks import (
+    check_adam_hyperparams,
+    check_grad_scale,
+    check_lamb_hyperparams,
+    check_optimizer_lists,
+    check_step,
+)
 from fastzero.ops import native, reference
 from fastzero.ops.backend import cpu_backend
-from fastzero.ops.checks import check_adam_hyperparams, check_grad_scale, check_optimizer_lists, check_step
-
-
-def check_lamb_hyperparams(max_grad_norm: float, max_coeff: float, min_coeff: float) -> None:
-    if not math.isfinite(max_grad_norm) or max_grad_norm < 0.0:
-        raise ValueError(f"invalid max_grad_norm {max_grad_norm}: it must be >= 0 (0 disables clipping)")
-    if not 0.0 <= min_coeff <= max_coeff or not math.isfinite(max_coeff):
-        raise ValueError(f"invalid trust ratio bounds: need 0 <= min_coeff ({min_coeff}) <= max_coeff ({max_coeff})")
 
 
 def cpu_lamb_step(

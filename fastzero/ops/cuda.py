@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from torch import Tensor
 
 from fastzero import cuda_build
-from fastzero.ops.checks import FLOAT_DTYPES, check_adam_hyperparams, check_contiguous, check_same_size
+from fastzero.checks import check_adam_hyperparams, check_device_step, check_lamb_hyperparams
 
 # Dtype codes shared with csrc/cuda/common.cuh (and csrc/cpu/common.h).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -174,77 +173,6 @@ def _check_rc(lib: ctypes.CDLL, rc: int, op: str) -> None:
 # Checks: everything the kernels assume, before any pointer crosses.
 
 
-def _check_lists(op: str, params, others: dict) -> None:
-    for name, seq in others.items():
-        if seq is not None and len(seq) != len(params):
-            raise ValueError(f"{op}: {len(params)} params but {len(seq)} {name}")
-
-
-def _check_cuda_tensor(t, what: str, device: torch.device | None, hint: str = "") -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{what} is on {t.device}; fastzero.ops.cuda updates CUDA tensors{hint}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{what} is on {t.device} but params[0] is on {device}; one call updates one device")
-    if t.layout != torch.strided:
-        raise ValueError(f"{what} is sparse ({t.layout}); the kernels need dense tensors (convert with .to_dense())")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{what} has dtype {t.dtype}; supported: float32, bfloat16, float16")
-    check_contiguous(t, what)
-
-
-def _check_scalar_type(t, what: str, required: bool) -> None:
-    if t is None:
-        if required:
-            raise TypeError(f"{what} is required: a 0-d float32 tensor on the params' device")
-        return
-    if not isinstance(t, Tensor):
-        raise TypeError(
-            f"{what} must be a 0-d float32 tensor on the params' device (the kernels read it there, so a step "
-            f"never waits for the GPU), got {type(t).__name__}"
-        )
-    if t.dtype != torch.float32 or t.numel() != 1:
-        raise TypeError(f"{what} must be one float32 value (0-d tensor), got {t.dtype} of shape {tuple(t.shape)}")
-
-
-def _check_scalar_device(t, what: str, device: torch.device) -> None:
-    if t is not None and t.device != device:
-        raise ValueError(f"{what} is on {t.device} but the params are on {device}; keep it on their device")
-
-
-def _check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, hint) -> torch.device | None:
-    """The tensor rules of every optimizer kernel; returns the device."""
-    _check_lists(op, params, {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
-                              "param_copies": param_copies})  # fmt: skip
-    device = None
-    for i, p in enumerate(params):
-        _check_cuda_tensor(p, f"params[{i}]", device, hint)
-        device = p.device
-        g, m, v = grads[i], exp_avgs[i], exp_avg_sqs[i]
-        _check_cuda_tensor(g, f"grads[{i}]", device, hint)
-        check_same_size(g, p, f"grads[{i}]", f"params[{i}]")
-        for name, s in (("exp_avgs", m), ("exp_avg_sqs", v)):
-            _check_cuda_tensor(s, f"{name}[{i}]", device, hint)
-            check_same_size(s, p, f"{name}[{i}]", f"params[{i}]")
-            if s.dtype not in (torch.float32, p.dtype):
-                raise TypeError(
-                    f"{name}[{i}] is {s.dtype}; optimizer states must be float32 or the param's dtype ({p.dtype})"
-                )
-        if m.dtype != v.dtype:
-            raise TypeError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}; use one state dtype")
-        if param_copies is not None:
-            c = param_copies[i]
-            _check_cuda_tensor(c, f"param_copies[{i}]", device, hint)
-            check_same_size(c, p, f"param_copies[{i}]", f"params[{i}]")
-            if p.dtype != torch.float32 or c.dtype == torch.float32:
-                raise TypeError(
-                    f"param_copies[{i}] ({c.dtype}) for params[{i}] ({p.dtype}): copies are bf16/fp16 "
-                    "copies of fp32 master params"
-                )
-    return device
-
-
 # ---------------------------------------------------------------------------
 # Marshalling
 
@@ -323,15 +251,11 @@ def adam_step(
     enqueued on the current CUDA stream; nothing waits for it.
     """
     op = "adam_step"
-    _check_scalar_type(step, "step", required=True)
-    _check_scalar_type(grad_scale, "grad_scale", required=False)
-    _check_scalar_type(found_inf, "found_inf", required=False)
-    device = _check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, _ADAM_CPU_HINT)
+    scalars = {"step": step, "grad_scale": grad_scale, "found_inf": found_inf}
+    device = check_device_step(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, scalars, hint=_ADAM_CPU_HINT)
     check_adam_hyperparams(lr, (beta1, beta2), eps, weight_decay)
     if device is None:
         return  # no tensors
-    for t, what in ((step, "step"), (grad_scale, "grad_scale"), (found_inf, "found_inf")):
-        _check_scalar_device(t, what, device)
     lib = _lib(op)
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
@@ -382,17 +306,10 @@ def lamb_step(
     ``found_inf`` is nonzero, ``coeffs_out`` is left unchanged too.
     """
     op = "lamb_step"
-    _check_scalar_type(step, "step", required=True)
-    _check_scalar_type(grad_scale, "grad_scale", required=False)
-    _check_scalar_type(found_inf, "found_inf", required=False)
-    device = _check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, _LAMB_CPU_HINT)
+    scalars = {"step": step, "grad_scale": grad_scale, "found_inf": found_inf}
+    device = check_device_step(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, scalars, hint=_LAMB_CPU_HINT)
     check_adam_hyperparams(lr, (beta1, beta2), eps, weight_decay)
-    if not math.isfinite(max_grad_norm) or max_grad_norm < 0.0:
-        raise ValueError(f"invalid max_grad_norm {max_grad_norm}: it must be a finite number >= 0 (0: no clipping)")
-    if not (math.isfinite(min_coeff) and math.isfinite(max_coeff) and 0.0 <= min_coeff <= max_coeff):
-        raise ValueError(
-            f"invalid trust ratio bounds min_coeff={min_coeff}, max_coeff={max_coeff}: need 0 <= min <= max"
-        )
+    check_lamb_hyperparams(max_grad_norm, max_coeff, min_coeff)
     if not isinstance(coeffs_out, Tensor):
         raise TypeError(f"coeffs_out must be a float32 tensor, got {type(coeffs_out).__name__}")
     if device is None:
@@ -402,9 +319,8 @@ def lamb_step(
             f"coeffs_out must be float32 with one element per param ({len(params)}), got {coeffs_out.dtype} "
             f"with {coeffs_out.numel()}"
         )
-    _check_cuda_tensor(coeffs_out, "coeffs_out", device)
-    for t, what in ((step, "step"), (grad_scale, "grad_scale"), (found_inf, "found_inf")):
-        _check_scalar_device(t, what, device)
+    if coeffs_out.device != device or not coeffs_out.is_contiguous():
+        raise ValueError(f"coeffs_out must be contiguous and on the params' device ({device}), got {coeffs_out.device}")
     lib = _lib(op)
     chunk = lib.fz_cuda_chunk_elems()
     inf_ptr = _ptr(found_inf)

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastzero.checks import check_adam_hyperparams
 from fastzero.ops import cpu_adam, reference
 from fastzero.ops.backend import device_backend
-from fastzero.ops.checks import check_adam_hyperparams
 from fastzero.ops.optimizer import AdamFamilyOptimizer, GroupLists
 
 

@@ -9,10 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastzero.checks import check_adam_hyperparams, check_lamb_hyperparams
 from fastzero.ops import cpu_lamb, reference
 from fastzero.ops.backend import device_backend
-from fastzero.ops.checks import check_adam_hyperparams
-from fastzero.ops.cpu_lamb import check_lamb_hyperparams
 from fastzero.ops.fused_adam import as_device_scalar, device_kernel
 from fastzero.ops.optimizer import AdamFamilyOptimizer, GroupLists
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastzero.checks import check_same_size, check_tensor
 from fastzero.ops import native
-from fastzero.ops.checks import check_same_size, check_tensor
 
 _DTYPES = frozenset(native.DTYPE_CODES)
 

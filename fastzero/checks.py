@@ -1,4 +1,5 @@
-"""Input checks shared by the optimizer ops: every problem is a Python
+"""Input checks shared by the ops and the kernel backends (below both in the
+layering, so Triton kernels and CUDA wrappers use them too): every problem is a Python
 exception that names it and the fix, raised before a pointer reaches native
 code (DESIGN.md rule 6)."""
 
@@ -26,6 +27,13 @@ def check_adam_hyperparams(lr: float, betas: tuple[float, float], eps: float, we
         raise ValueError(f"invalid eps {eps}: it must be a finite number >= 0")
     if not math.isfinite(weight_decay) or weight_decay < 0.0:
         raise ValueError(f"invalid weight_decay {weight_decay}: it must be a finite number >= 0")
+
+
+def check_lamb_hyperparams(max_grad_norm: float, max_coeff: float, min_coeff: float) -> None:
+    if not math.isfinite(max_grad_norm) or max_grad_norm < 0.0:
+        raise ValueError(f"invalid max_grad_norm {max_grad_norm}: it must be >= 0 (0 disables clipping)")
+    if not 0.0 <= min_coeff <= max_coeff or not math.isfinite(max_coeff):
+        raise ValueError(f"invalid trust ratio bounds: need 0 <= min_coeff ({min_coeff}) <= max_coeff ({max_coeff})")
 
 
 def check_grad_scale(grad_scale: float | None) -> None:
@@ -121,3 +129,57 @@ def check_optimizer_lists(
 def check_step(op: str, step: int) -> None:
     if int(step) < 1:
         raise ValueError(f"{op}: step must be >= 1 (the first step is 1), got {step}")
+
+
+def check_device_scalar(t, what: str, device: torch.device | None, *, required: bool = False) -> None:
+    """``step``, ``grad_scale`` or ``found_inf`` of a device kernel: one
+    float32 value in a tensor on the params' device (read there, so a step
+    never waits for the GPU), or None where optional."""
+    if t is None:
+        if required:
+            raise TypeError(f"{what} is required: a 0-d float32 tensor on the params' device")
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(
+            f"{what} must be a 0-d float32 tensor on the params' device (the kernels read it there, so a step "
+            f"never waits for the GPU), got {type(t).__name__}"
+        )
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise TypeError(f"{what} must be one float32 value (0-d tensor), got {t.dtype} of shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{what} is on {t.device} but the params are on {device}; keep it on their device")
+
+
+def check_device_step(
+    op: str,
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    param_copies: list[Tensor] | None,
+    scalars: dict[str, Tensor | None],
+    *,
+    device_types: tuple[str, ...] = ("cuda",),
+    hint: str = "",
+) -> torch.device | None:
+    """The inputs of a device kernel's optimizer step: the lists as
+    :func:`check_optimizer_lists` wants them, all on one device of
+    `device_types`, and its scalars (``step`` required) on that device.
+    Returns the device (None for empty lists)."""
+    for name, t in scalars.items():
+        check_device_scalar(t, name, None, required=name == "step")
+    device_type = params[0].device.type if params and isinstance(params[0], Tensor) else device_types[0]
+    if device_type not in device_types:
+        device_type = device_types[0]  # the error below names the device it wants
+    check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, device_type=device_type, hint=hint)
+    if not params:
+        return None
+    device = params[0].device
+    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    for name, seq in (*lists.items(), ("param_copies", param_copies or [])):
+        for i, t in enumerate(seq):
+            if t.device != device:
+                raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}; one call, one device")
+    for name, t in scalars.items():
+        check_device_scalar(t, name, device)
+    return device
