@@ -18,18 +18,44 @@ HERE = Path(__file__).resolve().parent
 build = runpy.run_path(str(HERE / "fastzero" / "native_build.py"))
 
 
+STRICT = os.environ.get("CI") == "true" or os.environ.get("FASTZERO_BUILD_STRICT") == "1"
+
+
 class OptionalBuildExt(build_ext):
+    """A failed build warns and leaves the JIT build to first use, except in
+    CI (CI=true) or with FASTZERO_BUILD_STRICT=1, where it fails the install."""
+
     def run(self):
-        try:
-            super().run()
-        except Exception as exc:  # noqa: BLE001 - any failure leaves the JIT build to first use
-            print(f"fastzero: the CPU kernels were not built ({exc}); they will be built on first use", file=sys.stderr)
+        for build in (super().run, self.run_cuda):
+            try:
+                build()
+            except Exception as exc:
+                self._failed(exc)
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
-        except Exception as exc:  # noqa: BLE001
-            print(f"fastzero: the CPU kernels were not built ({exc}); they will be built on first use", file=sys.stderr)
+        except Exception as exc:
+            self._failed(exc)
+
+    def run_cuda(self):
+        """FASTZERO_BUILD_CUDA=1: build the CUDA kernels now (nvcc; sm_80 and
+        sm_90, or FASTZERO_CUDA_ARCHS) instead of on first use."""
+        if os.environ.get("FASTZERO_BUILD_CUDA") != "1":
+            return
+        cuda = runpy.run_path(str(HERE / "fastzero" / "cuda_build.py"))
+        archs = [a.strip() for a in os.environ.get("FASTZERO_CUDA_ARCHS", "").replace(",", ";").split(";") if a.strip()]
+        objects = cuda["compile_objects"](Path(self.build_temp) / "cuda", archs=tuple(archs) or cuda["ARCHS"])
+        in_tree = self.inplace or getattr(self, "editable_mode", False)  # pip install -e: beside the sources
+        package_dir = HERE / "fastzero" if in_tree else Path(self.build_lib) / "fastzero"
+        package_dir.mkdir(parents=True, exist_ok=True)
+        cuda["link"](objects, package_dir / cuda["LIBRARY"])
+
+    @staticmethod
+    def _failed(exc):
+        if STRICT:
+            raise exc
+        print(f"fastzero: native kernels were not built ({exc}); they will be built on first use", file=sys.stderr)
 
 
 def extensions():
@@ -69,7 +95,7 @@ setup(
     # `triton_kernels` would shadow the Triton project's own package.
     # csrc/ ships too, for the just-in-time build where install-time failed.
     package_dir={"fastzero.triton_kernels": "triton_kernels", "fastzero._csrc": "csrc"},
-    package_data={"fastzero._csrc": ["cpu/*.cpp", "cpu/*.h", "cpu/*.inc"]},
+    package_data={"fastzero._csrc": ["cpu/*.cpp", "cpu/*.h", "cpu/*.inc", "cuda/*.cu", "cuda/*.cuh", "cuda/*.h"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=["torch>=2.4", "pybind11>=2.10", "ninja"],

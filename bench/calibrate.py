@@ -10,6 +10,7 @@ fail CI) and below 20% (a 25% slowdown lowers every gated figure to 0.8x).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 from collections import defaultdict
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from bench import compare, kernels
 from bench.harness import run_case
+from bench.machine import machine_info
+from bench.run import SCHEMA
 
 
 def main(argv=None) -> int:
@@ -24,12 +27,20 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--json", type=Path, help="write every run's gated figures here")
+    ap.add_argument("--write-baseline", type=Path, metavar="PATH",
+                    help="write a baseline whose gated figures are the medians over the runs")  # fmt: skip
     args = ap.parse_args(argv)
     values: dict[tuple, list[float]] = defaultdict(list)
+    last_rows, last_cases = [], []
     for run in range(args.runs):
+        last_rows, last_cases = [], []
         for name in sorted(kernels.KERNELS):
             for case in kernels.load(name).cases(quick=True):
-                for row in run_case(case, warmup=3, repeats=args.repeats).rows():
+                result = run_case(case, warmup=3, repeats=args.repeats)
+                last_cases.append({"kernel": case.kernel, "name": case.name, "numel": case.numel, "bytes": case.bytes,
+                                   "description": case.description, "skipped": result.skipped})  # fmt: skip
+                for row in result.rows():
+                    last_rows.append(row)
                     if compare.gated(row):
                         values[(row["kernel"], row["case"], row["metric"])].append(row["value"])
         print(f"run {run + 1}/{args.runs} done", flush=True)
@@ -43,6 +54,16 @@ def main(argv=None) -> int:
     print(f"largest drop from noise: {worst:.1%}; tolerance in use: {compare.DEFAULT_TOLERANCE:.0%}")
     if args.json:
         args.json.write_text(json.dumps({"/".join(k): v for k, v in values.items()}, indent=1))
+    if args.write_baseline:
+        for row in last_rows:  # the last run's rows, gated figures replaced by the medians
+            key = (row["kernel"], row["case"], row["metric"])
+            if compare.gated(row):
+                row["value"] = statistics.median(values[key])
+        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        settings = {"quick": True, "repeats": args.repeats, "runs": args.runs, "gated": "medians over the runs"}
+        baseline = {"schema": SCHEMA, "created": created, "machine": machine_info(), "settings": settings,
+                    "cases": last_cases, "rows": last_rows}  # fmt: skip
+        args.write_baseline.write_text(json.dumps(baseline, indent=1) + "\n")
     return 0
 
 

@@ -4,8 +4,10 @@ stored baseline.
 
 Tolerance: DEFAULT_TOLERANCE, calibrated on the 2-core development machine
 with ``python -m bench.calibrate --runs 8`` (8 quick runs in one process;
-bench/results/calibration-cpu.json): the largest drop of a gated figure below
-its median was 2.0%, so 12% leaves 6x that for noisier neighbours, and a
+bench/results/calibration-cpu.json). On a quiet machine the largest drop of
+a gated figure below its median was 2.0%; beside busy neighbours 8.8% (the
+many-tensor fractions of the roofline; single-tensor figures stayed within
+5.5%). 12% sits above that and below the 20% a 25% slowdown causes, and a
 figure below the tolerance is measured twice more before it counts
 (bench/run.py, _confirm). A real 25% slowdown of a fastzero kernel lowers
 its gated figures to 1/1.25 = 0.80 of their value, a 20% drop, well past the
@@ -15,6 +17,7 @@ tolerance; `tests/test_bench.py` proves the gate catches it with
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 DEFAULT_TOLERANCE = 0.12
@@ -23,6 +26,11 @@ GATED_PREFIXES = ("frac_roofline", "speedup_vs_")
 # allocate temporaries whose page faults make their times bimodal (one
 # calibration run: -46% on the foreach ratio; torch_lamb's spread reached 88%).
 UNGATED = ("speedup_vs_torch_foreach", "speedup_vs_torch_lamb")
+# Speedups in the many-tensor cases ("-x400") measure Python overhead per
+# tensor as much as kernels, and CPU contention moves them: up to 17.5% in a
+# calibration run beside a busy neighbour. Their fraction of the roofline,
+# which a slower kernel lowers too, stays gated.
+MANY_TENSOR_CASE = re.compile(r"-x\d+$")
 
 
 @dataclass
@@ -45,6 +53,8 @@ class Check:
 
 
 def gated(row: dict) -> bool:
+    if row["metric"].startswith("speedup_vs_") and MANY_TENSOR_CASE.search(row["case"]):
+        return False
     return (
         row["provider"] == "fastzero"
         and row["metric"].startswith(GATED_PREFIXES)

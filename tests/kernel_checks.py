@@ -36,7 +36,7 @@ def clone_all(tensors):
     return [None if t is None else [x.clone() for x in t] for t in tensors]
 
 
-def run_both(kernel_step, reference_step, sizes, combo, steps=7, **hyper):
+def run_both(kernel_step, reference_step, sizes, combo, steps=20, **hyper):
     """Steps of the kernel, of the reference in the same dtypes, and of the
     reference in fp32 storage (the ideal that low-precision storage
     approximates), from the same inputs and fresh grads every step."""

@@ -386,7 +386,7 @@ def fresh_grads(*sets):
             g.copy_(new)
 
 
-def run(kind, sizes, combos, *, steps=7, grad_scale=None, unaligned=False, **hyper):
+def run(kind, sizes, combos, *, steps=20, grad_scale=None, unaligned=False, **hyper):
     """The kernel, the reference in the same dtypes, and the reference in fp32
     storage (the ideal that low-precision storage approximates), over several
     steps with fresh grads. Returns them and, for LAMB, the last trust ratios

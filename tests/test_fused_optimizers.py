@@ -231,10 +231,18 @@ def test_triton_backend_through_the_optimizer(cls):
     CPU tensors) to the same result as its CPU path."""
     pytest.importorskip("triton")
     a, b = make_model(), make_model()
+
+    def groups(model):  # param groups with their own hyperparameters
+        layers = list(model)
+        return [
+            {"params": layers[0].parameters(), "lr": 1e-2, "weight_decay": 0.0, "betas": (0.8, 0.99)},
+            {"params": [*layers[2].parameters(), *layers[3].parameters()], "lr": 3e-3, "eps": 1e-6},
+        ]
+
     hyper = dict(lr=1e-2, weight_decay=0.01)
-    opt_triton, opt_cpu = cls(a.parameters(), backend="triton", **hyper), cls(b.parameters(), **hyper)
-    train(a, opt_triton, 3)
-    train(b, opt_cpu, 3)
+    opt_triton, opt_cpu = cls(groups(a), backend="triton", **hyper), cls(groups(b), **hyper)
+    train(a, opt_triton, 20)
+    train(b, opt_cpu, 20)
     assert opt_triton.last_backend == "triton"
     assert_models_close(a, b)
     if cls is FusedLamb:

@@ -72,7 +72,7 @@ def scalar(x):
     return None if x is None else torch.tensor(float(x), device=DEVICE)
 
 
-def run_all(opt, sizes, combos, steps=5, scales=(1.0,), grad_scale=3.0, **hyper):
+def run_all(opt, sizes, combos, steps=20, scales=(1.0,), grad_scale=3.0, **hyper):
     """The kernel, the reference in the same dtypes, and the reference in fp32 storage
     (the ideal that low-precision storage approximates), over ``steps`` steps with fresh
     grads; also the trust ratios of the last LAMB step (kernel, reference, ideal)."""
