@@ -11,12 +11,11 @@ from torch import Tensor
 
 from fastzero.checks import check_adam_hyperparams, check_lamb_hyperparams
 from fastzero.ops import cpu_lamb, reference
-from fastzero.ops.backend import device_backend
-from fastzero.ops.fused_adam import as_device_scalar, device_kernel
-from fastzero.ops.optimizer import AdamFamilyOptimizer, GroupLists
+from fastzero.ops.fused import FusedOptimizer
+from fastzero.ops.optimizer import GroupLists
 
 
-class FusedLamb(AdamFamilyOptimizer):
+class FusedLamb(FusedOptimizer):
     r"""LAMB with fused multi-tensor kernels, wherever the params live.
 
     DeepSpeed's ``FusedLamb`` signature: ``FusedLamb(params, lr,
@@ -36,6 +35,8 @@ class FusedLamb(AdamFamilyOptimizer):
     > 0). :meth:`get_lamb_coeffs` returns the last trust ratios. Norms are
     computed on the device, with no host sync per tensor.
     """
+
+    _op_name, _kernel_name = "FusedLamb", "lamb_step"
 
     def __init__(
         self,
@@ -64,16 +65,14 @@ class FusedLamb(AdamFamilyOptimizer):
             bias_correction=bias_correction, max_grad_norm=max_grad_norm, max_coeff=max_coeff,
             min_coeff=min_coeff, amsgrad=False,
         )  # fmt: skip
-        super().__init__(params, defaults, fp32_optimizer_states=fp32_optimizer_states, master_weights=master_weights)
+        super().__init__(
+            params,
+            defaults,
+            fp32_optimizer_states=fp32_optimizer_states,
+            master_weights=master_weights,
+            backend=backend,
+        )
         self._coeffs: dict[int, list[float] | Tensor] = {}
-        self.force_backend = backend  # None: the fastest here, or FASTZERO_BACKEND
-        self.last_backend: str | None = None
-
-    @property
-    def backend(self) -> str:
-        """The backend a step runs for the first param's device."""
-        first = next((p for g in self.param_groups for p in g["params"]), None)
-        return "none" if first is None else device_backend("FusedLamb", first.device.type, self.force_backend)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratios of the last step, group by group, one per param
@@ -90,31 +89,24 @@ class FusedLamb(AdamFamilyOptimizer):
         if group.get("amsgrad", False):
             raise ValueError(f"param group {gi} sets amsgrad=True; FusedLamb does not implement amsgrad")
 
-    def _update(self, gi: int, group: dict, lists: GroupLists, step, grad_scale, found_inf) -> None:
-        backend = device_backend("FusedLamb", lists.device.type, self.force_backend)
-        self.last_backend = backend
+    def _hyper(self, group: dict) -> dict:
         beta1, beta2 = group["betas"]
-        hyper = dict(
+        return dict(
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], eps_inside_sqrt=group["eps_inside_sqrt"],
             weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
             max_grad_norm=group["max_grad_norm"], max_coeff=group["max_coeff"], min_coeff=group["min_coeff"],
         )  # fmt: skip
-        tensors = (lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs)
-        if backend in ("cpu", "reference"):
-            if found_inf is not None and lists.device.type != "cpu" and bool(found_inf):
-                return  # the reference on a GPU: a host sync, the fallback's price
-            run = cpu_lamb._launch if backend == "cpu" else reference.lamb_step
-            scale = None if grad_scale is None else float(grad_scale)
-            self._coeffs[gi] = run(*tensors, param_copies=lists.param_copies, step=int(step), grad_scale=scale, **hyper)
-            return
-        device = lists.device
+
+    def _host_step(self, backend: str):
+        return cpu_lamb._launch if backend == "cpu" else reference.lamb_step
+
+    def _keep(self, gi: int, ratios) -> None:
+        self._coeffs[gi] = ratios
+
+    def _device_extra(self, gi: int, lists: GroupLists) -> dict:
+        """The device tensor the kernels write the trust ratios into."""
         coeffs = self._coeffs.get(gi)
-        if not isinstance(coeffs, Tensor) or coeffs.numel() != len(lists.params) or coeffs.device != device:
-            coeffs = torch.ones(len(lists.params), dtype=torch.float32, device=device)
+        if not isinstance(coeffs, Tensor) or coeffs.numel() != len(lists.params) or coeffs.device != lists.device:
+            coeffs = torch.ones(len(lists.params), dtype=torch.float32, device=lists.device)
             self._coeffs[gi] = coeffs
-        step_t = step if isinstance(step, Tensor) else torch.tensor(float(step), device=device)
-        device_kernel(backend, "lamb_step")(
-            *tensors, step=step_t, grad_scale=as_device_scalar(grad_scale, device),
-            found_inf=as_device_scalar(found_inf, device), param_copies=lists.param_copies,
-            coeffs_out=coeffs, **hyper,
-        )  # fmt: skip
+        return {"coeffs_out": coeffs}
