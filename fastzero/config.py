@@ -1,0 +1,415 @@
+"""ds_config.json -> validated objects.
+
+DeepSpeed's keys, meanings and defaults (DeepSpeed 0.19's documentation), so
+a DeepSpeed config works unchanged. Every problem is a :class:`ConfigError`
+that names the key (as a dotted path), the value and what is allowed: a key
+that does not exist (with a did-you-mean), a value of the wrong type or range,
+a combination that cannot work. A valid DeepSpeed setting that fastzero does
+not implement yet raises :class:`ConfigNotSupported`; nothing is ignored.
+
+    cfg = load_config("ds_config.json", world_size=4)
+    cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage, cfg.fp16.enabled
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that cannot work, with the key, the value and what is allowed."""
+
+
+class ConfigNotSupported(ConfigError):
+    """A valid DeepSpeed setting that this version of fastzero does not implement."""
+
+
+def _opt(default: Any, kind: str, *, choices: tuple = (), low: float | None = None, high: float | None = None,
+         low_open: bool = False, nullable: bool = False) -> Any:  # fmt: skip
+    """A field with its check: kind is bool, int, float, str, choice or dict."""
+    meta = dict(kind=kind, choices=choices, low=low, high=high, low_open=low_open, nullable=nullable)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _section(cls: type) -> Any:
+    return field(default_factory=cls, metadata=dict(kind="section", section=cls))
+
+
+# -- sections -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    enabled: bool = _opt(False, "bool")
+    loss_scale: float = _opt(0.0, "float", low=0.0)  # 0: dynamic loss scaling
+    initial_scale_power: int = _opt(16, "int", low=0, high=64)
+    loss_scale_window: int = _opt(1000, "int", low=1)
+    hysteresis: int = _opt(2, "int", low=1)
+    consecutive_hysteresis: bool = _opt(False, "bool")
+    min_loss_scale: float = _opt(1.0, "float", low=0.0, low_open=True)
+    UNSUPPORTED = ("auto_cast", "fp16_master_weights_and_grads")
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    enabled: bool = _opt(False, "bool")
+    UNSUPPORTED = ("immediate_grad_update", "check_grad_overflow")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    device: str = _opt("none", "choice", choices=("none", "cpu", "nvme"))
+    pin_memory: bool = _opt(False, "bool")
+    UNSUPPORTED = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio", "pipeline_read",
+                   "pipeline_write")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = _opt(0, "int", low=0, high=3)
+    overlap_comm: bool = _opt(False, "bool")
+    contiguous_gradients: bool = _opt(True, "bool")
+    reduce_bucket_size: int = _opt(500_000_000, "int", low=1)
+    allgather_bucket_size: int = _opt(500_000_000, "int", low=1)
+    reduce_scatter: bool = _opt(True, "bool")
+    allgather_partitions: bool = _opt(True, "bool")
+    offload_optimizer: OffloadConfig = _section(OffloadConfig)
+    offload_param: OffloadConfig = _section(OffloadConfig)
+    stage3_prefetch_bucket_size: int = _opt(50_000_000, "int", low=0)
+    stage3_param_persistence_threshold: int = _opt(100_000, "int", low=0)
+    stage3_max_live_parameters: int = _opt(1_000_000_000, "int", low=0)
+    stage3_max_reuse_distance: int = _opt(1_000_000_000, "int", low=0)
+    stage3_gather_16bit_weights_on_model_save: bool = _opt(False, "bool")
+    UNSUPPORTED = ("sub_group_size", "round_robin_gradients", "elastic_checkpoint", "zero_hpz_partition_size",
+                   "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
+                   "load_from_fp32_weights", "cpu_offload", "memory_efficient_linear")  # fmt: skip
+
+
+OPTIMIZER_PARAMS = {
+    # type -> allowed params (DeepSpeed's names) and fastzero's defaults
+    "adam": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True, bias_correction=True),
+    "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True),
+    "lamb": dict(
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        bias_correction=True,
+        max_grad_norm=0.0,
+        max_coeff=10.0,
+        min_coeff=0.01,
+        eps_inside_sqrt=False,
+    ),  # fmt: skip
+    "onebitadam": dict(
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        freeze_step=100000,
+        bias_correction=True,
+        eps_inside_sqrt=False,
+        max_grad_norm=0.0,
+    ),  # fmt: skip
+}
+OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam"}
+OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam", "comm_backend_name")
+
+SCHEDULER_PARAMS = {
+    # DeepSpeed's defaults (deepspeed/runtime/lr_schedules.py); None = required
+    "WarmupLR": dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"),
+    "WarmupDecayLR": dict(
+        total_num_steps=None, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"
+    ),  # fmt: skip
+    "WarmupCosineLR": dict(
+        total_num_steps=None, warmup_min_ratio=0.0, warmup_num_steps=1000, cos_min_ratio=0.0001, warmup_type="log"
+    ),  # fmt: skip
+    "OneCycle": dict(
+        cycle_min_lr=None,
+        cycle_max_lr=None,
+        decay_lr_rate=0.0,
+        cycle_first_step_size=2000,
+        cycle_second_step_size=None,
+        cycle_first_stair_count=0,
+        cycle_second_stair_count=None,
+        decay_step_size=0,
+        cycle_momentum=True,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.0,
+    ),  # fmt: skip
+    "LRRangeTest": dict(
+        lr_range_test_min_lr=0.001,
+        lr_range_test_step_size=2000,
+        lr_range_test_step_rate=1.0,
+        lr_range_test_staircase=False,
+    ),  # fmt: skip
+}
+OPTIONAL_NONE = {"cycle_second_step_size", "cycle_second_stair_count"}  # None means "same as the first"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = _opt("", "str")
+    params: dict = _opt({}, "dict")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    type: str = _opt("", "str")
+    params: dict = _opt({}, "dict")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    enabled: bool = _opt(False, "bool")
+    output_path: str = _opt("", "str")
+    job_name: str = _opt("DeepSpeedJobName", "str")
+
+
+@dataclass(frozen=True)
+class Config:
+    train_batch_size: int | None = _opt(None, "int", low=1, nullable=True)
+    train_micro_batch_size_per_gpu: int | None = _opt(None, "int", low=1, nullable=True)
+    gradient_accumulation_steps: int | None = _opt(None, "int", low=1, nullable=True)
+    optimizer: OptimizerConfig = _section(OptimizerConfig)
+    scheduler: SchedulerConfig = _section(SchedulerConfig)
+    fp16: FP16Config = _section(FP16Config)
+    bf16: BF16Config = _section(BF16Config)
+    gradient_clipping: float = _opt(0.0, "float", low=0.0)
+    zero_optimization: ZeroConfig = _section(ZeroConfig)
+    steps_per_print: int = _opt(10, "int", low=1)
+    wall_clock_breakdown: bool = _opt(False, "bool")
+    tensorboard: MonitorConfig = _section(MonitorConfig)
+    csv_monitor: MonitorConfig = _section(MonitorConfig)
+    UNSUPPORTED = ("wandb", "comet", "flops_profiler", "activation_checkpointing", "sparse_attention", "pipeline",
+                   "elasticity", "autotuning", "compression_training", "data_efficiency", "amp", "aio",
+                   "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+                   "sparse_gradients", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+                   "memory_breakdown", "dump_state", "checkpoint", "nebula", "curriculum_learning",
+                   "fp8", "seq_parallel_communication_data_type", "tensor_parallel")  # fmt: skip
+
+
+# -- parsing ----------------------------------------------------------------------------------------
+
+
+def _check_value(path: str, value: Any, meta: dict) -> Any:
+    kind = meta["kind"]
+    if value is None and meta.get("nullable"):
+        return None
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} = {value!r}: must be true or false")
+        return value
+    if kind in ("int", "float"):
+        # bool is an int in Python; a config that says `true` for a number is wrong
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if kind == "float":
+            ok = ok or isinstance(value, float)
+        elif isinstance(value, float) and value.is_integer():  # 5e8 in JSON is a float
+            value, ok = int(value), True
+        if not ok or (kind == "float" and not math.isfinite(value)):
+            raise ConfigError(f"{path} = {value!r}: must be {'an integer' if kind == 'int' else 'a number'}")
+        low, high = meta.get("low"), meta.get("high")
+        if low is not None and (value < low or (meta.get("low_open") and value == low)):
+            raise ConfigError(f"{path} = {value!r}: must be {'>' if meta.get('low_open') else '>='} {low}")
+        if high is not None and value > high:
+            raise ConfigError(f"{path} = {value!r}: must be <= {high}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} = {value!r}: must be a string")
+        return value
+    if kind == "choice":
+        if not isinstance(value, str) or value.lower() not in meta["choices"]:
+            raise ConfigError(f"{path} = {value!r}: must be one of {', '.join(meta['choices'])}")
+        return value.lower()
+    if kind == "dict":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} = {value!r}: must be an object")
+        return dict(value)
+    raise AssertionError(kind)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _unknown(path: str, key: str, allowed: list[str], what: str = "key") -> ConfigError:
+    lower = {a.lower(): a for a in allowed}
+    close = difflib.get_close_matches(str(key).lower(), list(lower), n=1, cutoff=0.6)
+    hint = f"; did you mean {lower[close[0]]!r}?" if close else ""
+    return ConfigError(f"{path}{key}: no such {what}{hint} Allowed: {', '.join(sorted(allowed))}")
+
+
+def _parse(cls: type, raw: Any, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'the config'} = {raw!r}: must be an object")
+    prefix = f"{path}." if path else ""
+    names = [f.name for f in fields(cls)]
+    for key in raw:
+        if key not in names:
+            if key in getattr(cls, "UNSUPPORTED", ()):
+                raise ConfigNotSupported(
+                    f"{prefix}{key}: a DeepSpeed setting that fastzero does not support yet; remove it to run"
+                )
+            raise _unknown(prefix, key, names)
+    values = {}
+    for f in fields(cls):
+        if f.metadata["kind"] == "section":
+            values[f.name] = _parse(f.metadata["section"], raw.get(f.name), f"{prefix}{f.name}")
+        elif f.name in raw:
+            values[f.name] = _check_value(f"{prefix}{f.name}", raw[f.name], f.metadata)
+    return cls(**values)
+
+
+def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
+    if not opt.type and not opt.params:
+        return opt
+    key = opt.type.lower()
+    if key not in OPTIMIZER_PARAMS:
+        raise _unknown("optimizer.type = ", opt.type, list(OPTIMIZER_NAMES.values()), "optimizer")
+    allowed = OPTIMIZER_PARAMS[key]
+    for name in opt.params:
+        if name in OPTIMIZER_UNSUPPORTED_PARAMS:
+            raise ConfigNotSupported(f"optimizer.params.{name}: not supported by fastzero's {OPTIMIZER_NAMES[key]}")
+        if name not in allowed:
+            raise _unknown(f"optimizer.params ({OPTIMIZER_NAMES[key]}).", name, list(allowed))
+    params = {**allowed, **opt.params}
+    for name, value in params.items():
+        path = f"optimizer.params.{name}"
+        if name == "betas":
+            pair = isinstance(value, (list, tuple)) and len(value) == 2
+            if not pair or not all(_is_number(b) and 0 <= b < 1 for b in value):
+                raise ConfigError(f"{path} = {value!r}: must be two numbers in [0, 1)")
+            params[name] = tuple(float(b) for b in value)
+        elif isinstance(allowed[name], bool):
+            params[name] = _check_value(path, value, dict(kind="bool"))
+        elif isinstance(allowed[name], int):
+            params[name] = _check_value(path, value, dict(kind="int", low=0))
+        else:
+            params[name] = _check_value(path, value, dict(kind="float", low=0.0))
+    return replace(opt, type=OPTIMIZER_NAMES[key], params=params)
+
+
+def _resolve_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
+    if not sched.type and not sched.params:
+        return sched
+    if sched.type not in SCHEDULER_PARAMS:
+        raise _unknown("scheduler.type = ", sched.type, list(SCHEDULER_PARAMS), "scheduler")
+    allowed = SCHEDULER_PARAMS[sched.type]
+    for name in sched.params:
+        if name not in allowed:
+            raise _unknown(f"scheduler.params ({sched.type}).", name, list(allowed))
+    params = {**allowed, **sched.params}
+    for name, value in params.items():
+        path = f"scheduler.params.{name}"
+        default = allowed[name]
+        if value is None:
+            if name not in OPTIONAL_NONE:
+                raise ConfigError(f"{path} is required by {sched.type}")
+        elif name == "warmup_type":
+            params[name] = _check_value(path, value, dict(kind="choice", choices=("log", "linear")))
+        elif isinstance(default, bool):
+            params[name] = _check_value(path, value, dict(kind="bool"))
+        elif isinstance(default, int) or name.endswith(("_steps", "_step_size", "_stair_count")):
+            params[name] = _check_value(path, value, dict(kind="int", low=0))
+        else:
+            params[name] = _check_value(path, value, dict(kind="float", low=0.0))
+    return replace(sched, params=params)
+
+
+def _resolve_batch(cfg: Config, world_size: int) -> Config:
+    """Any two of the three batch sizes give the third (train = micro *
+    accumulation * world size); all three must agree."""
+    tbs, mbs, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    if tbs is None and mbs is None:
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (or both)")
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs != mbs * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {mbs} * gradient_accumulation_steps {gas}"
+                f" * world size {world_size} = {mbs * gas * world_size}; fix one, or leave one out to derive it"
+            )
+    elif tbs is not None and mbs is not None:
+        gas, rem = divmod(tbs, mbs * world_size)
+        if rem or gas < 1:
+            raise ConfigError(
+                f"train_batch_size {tbs} is not a multiple of train_micro_batch_size_per_gpu {mbs} * world size "
+                f"{world_size} = {mbs * world_size}"
+            )
+    elif tbs is not None:
+        gas = gas or 1
+        mbs, rem = divmod(tbs, gas * world_size)
+        if rem or mbs < 1:
+            raise ConfigError(
+                f"train_batch_size {tbs} is not a multiple of gradient_accumulation_steps {gas} * world size "
+                f"{world_size} = {gas * world_size}"
+            )
+    else:
+        gas = gas or 1
+        tbs = mbs * gas * world_size
+    return replace(cfg, train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
+
+
+def _check_combinations(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one precision")
+    if zero.offload_optimizer.device == "nvme" or zero.offload_param.device == "nvme":
+        raise ConfigNotSupported("zero_optimization.offload_*.device = 'nvme': fastzero offloads to the CPU only")
+    if zero.offload_optimizer.device != "none" and zero.stage < 1:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer needs stage >= 1 (stage is {zero.stage}): the optimizer state "
+            "that is offloaded is the partitioned one"
+        )
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (stage is {zero.stage})")
+    if cfg.optimizer.type == "OneBitAdam" and zero.stage > 1:
+        raise ConfigError(
+            f"OneBitAdam works with zero_optimization.stage 0 or 1 (stage is {zero.stage}): its compressed momentum "
+            "exchange needs whole gradients on every rank"
+        )
+
+
+def load_config(config: str | Path | dict, world_size: int = 1) -> Config:
+    """Parses and validates a DeepSpeed config (a path to a JSON file, or a
+    dict) for a run of `world_size` data-parallel ranks."""
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    elif isinstance(config, dict):
+        raw = config
+    else:
+        raise ConfigError(f"config must be a path or a dict, got {type(config).__name__}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size = {world_size!r}: must be an integer >= 1")
+    cfg = _parse(Config, raw, "")
+    cfg = replace(cfg, optimizer=_resolve_optimizer(cfg.optimizer), scheduler=_resolve_scheduler(cfg.scheduler))
+    cfg = _resolve_batch(cfg, world_size)
+    _check_combinations(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> Any:
+    """The config as plain JSON-able values (with every default filled in)."""
+    if is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in fields(cfg)}
+    if isinstance(cfg, tuple):
+        return list(cfg)
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg

@@ -1,0 +1,139 @@
+"""ds_config.json parsing: DeepSpeed's keys and defaults, and a clear error
+for every key, value or combination that cannot work."""
+
+import json
+
+import pytest
+
+from fastzero.config import ConfigError, ConfigNotSupported, load_config, to_dict
+
+BASE = {"train_micro_batch_size_per_gpu": 4}
+
+
+def cfg(**extra):
+    return {**BASE, **extra}
+
+
+def test_defaults_are_deepspeeds():
+    c = load_config(BASE)
+    assert (c.train_batch_size, c.gradient_accumulation_steps) == (4, 1)
+    assert c.zero_optimization.stage == 0 and c.zero_optimization.reduce_bucket_size == 500_000_000
+    assert c.zero_optimization.contiguous_gradients and c.zero_optimization.reduce_scatter
+    assert not c.zero_optimization.overlap_comm
+    assert c.zero_optimization.offload_optimizer.device == "none"
+    fp16 = c.fp16
+    assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
+            fp16.consecutive_hysteresis, fp16.min_loss_scale) == (False, 0.0, 16, 1000, 2, False, 1.0)  # fmt: skip
+    assert (c.steps_per_print, c.gradient_clipping, c.wall_clock_breakdown) == (10, 0.0, False)
+    assert c.tensorboard.job_name == "DeepSpeedJobName"
+    json.dumps(to_dict(c))  # plain values throughout
+
+
+def test_reads_a_json_file(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg(zero_optimization={"stage": 2, "overlap_comm": True}, bf16={"enabled": True})))
+    c = load_config(str(path), world_size=2)
+    assert c.zero_optimization.stage == 2 and c.zero_optimization.overlap_comm and c.bf16.enabled
+    assert c.train_batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4), 2, (32, 4, 4)),
+        (dict(train_batch_size=32, gradient_accumulation_steps=2), 4, (32, 4, 2)),
+        (dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=5), 2, (30, 3, 5)),
+        (dict(train_batch_size=16), 4, (16, 4, 1)),
+        (dict(train_batch_size=24, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=4), 2, (24, 3, 4)),
+    ],
+)
+def test_any_two_batch_sizes_give_the_third(given, world, expected):
+    c = load_config(given, world_size=world)
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == expected
+
+
+def test_inconsistent_batch_sizes_show_the_arithmetic():
+    bad = dict(train_batch_size=30, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    with pytest.raises(ConfigError, match=r"30 != train_micro_batch_size_per_gpu 4 \* gradient_accumulation_steps 2 "
+                       r"\* world size 2 = 16"):  # fmt: skip
+        load_config(bad, world_size=2)
+    with pytest.raises(ConfigError, match="not a multiple"):
+        load_config(dict(train_batch_size=30, train_micro_batch_size_per_gpu=4))
+    with pytest.raises(ConfigError, match="set train_batch_size or train_micro_batch_size_per_gpu"):
+        load_config({"gradient_accumulation_steps": 2})
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (cfg(optimzer={}), r"optimzer: no such key; did you mean 'optimizer'\?"),
+        (cfg(zero_optimization={"stgae": 1}), r"zero_optimization.stgae: no such key; did you mean 'stage'\?"),
+        (cfg(fp16={"enabled": True, "loss_scale_windows": 5}), r"fp16.loss_scale_windows.*'loss_scale_window'"),
+        (cfg(zero_optimization={"stage": 4}), r"zero_optimization.stage = 4: must be <= 3"),
+        (cfg(fp16={"enabled": "yes"}), r"fp16.enabled = 'yes': must be true or false"),
+        (cfg(steps_per_print=0), r"steps_per_print = 0: must be >= 1"),
+        (cfg(gradient_clipping=-1.0), r"gradient_clipping = -1.0: must be >= 0"),
+        (cfg(zero_optimization={"reduce_bucket_size": True}), r"reduce_bucket_size = True: must be an integer"),
+        (cfg(fp16={"min_loss_scale": 0}), r"fp16.min_loss_scale = 0: must be > 0"),
+        (cfg(optimizer={"type": "Adma"}), r"optimizer.type = Adma: no such optimizer; did you mean 'Adam'\?"),
+        (cfg(optimizer={"type": "Adam", "params": {"lr": -1}}), r"optimizer.params.lr = -1: must be >= 0"),
+        (cfg(optimizer={"type": "Adam", "params": {"beta": [0.9, 0.99]}}), r"did you mean 'betas'\?"),
+        (cfg(optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.5]}}), r"betas = \[0.9, 1.5\]: must be two"),
+        (cfg(scheduler={"type": "WarmupLR", "params": {"warmup_num_step": 5}}), r"did you mean 'warmup_num_steps'\?"),
+        (cfg(scheduler={"type": "WarmupDecayLR", "params": {}}), r"total_num_steps is required by WarmupDecayLR"),
+        (cfg(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cubic"}}), r"must be one of log, linear"),
+        (cfg(scheduler={"type": "Cosine"}), r"scheduler.type = Cosine: no such scheduler"),
+        (cfg(fp16={"enabled": True}, bf16={"enabled": True}), r"both true: choose one precision"),
+        (cfg(zero_optimization={"offload_optimizer": {"device": "cpu"}}), r"offload_optimizer needs stage >= 1"),
+        (cfg(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}), r"offload_param needs stage 3"),
+        (cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "gpu"}}), r"must be one of none, cpu"),
+        (
+            cfg(optimizer={"type": "OneBitAdam"}, zero_optimization={"stage": 2}),
+            r"OneBitAdam works with .*stage 0 or 1",
+        ),
+        ({"train_batch_size": 0}, r"train_batch_size = 0: must be >= 1"),
+        ([1, 2], r"config must be a path or a dict"),
+    ],
+)
+def test_bad_configs_name_the_key_the_value_and_what_is_allowed(config, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(config)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (cfg(wandb={"enabled": True}), r"wandb: a DeepSpeed setting that fastzero does not support yet"),
+        (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), r"'nvme'"),
+        (cfg(zero_optimization={"sub_group_size": 10}), r"zero_optimization.sub_group_size: a DeepSpeed setting"),
+        (cfg(optimizer={"type": "Adam", "params": {"amsgrad": True}}), r"optimizer.params.amsgrad: not supported"),
+    ],
+)
+def test_valid_deepspeed_settings_not_supported_yet_say_so(config, match):
+    with pytest.raises(ConfigNotSupported, match=match):
+        load_config(config)
+
+
+def test_optimizer_names_and_params():
+    c = load_config(cfg(optimizer={"type": "adam", "params": {"lr": 3e-4, "betas": [0.8, 0.9], "adam_w_mode": False}}))
+    assert c.optimizer.type == "Adam"
+    assert c.optimizer.params["betas"] == (0.8, 0.9) and c.optimizer.params["adam_w_mode"] is False
+    assert c.optimizer.params["eps"] == 1e-8  # defaults filled in
+    lamb = load_config(cfg(optimizer={"type": "LAMB", "params": {"max_coeff": 5.0}})).optimizer
+    assert lamb.type == "Lamb" and lamb.params["max_coeff"] == 5.0 and lamb.params["min_coeff"] == 0.01
+
+
+def test_scheduler_defaults_are_deepspeeds():
+    s = load_config(cfg(scheduler={"type": "WarmupLR"})).scheduler
+    assert s.params == dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log")
+    s = load_config(cfg(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}))
+    assert s.scheduler.params["cycle_second_step_size"] is None and s.scheduler.params["cycle_momentum"] is True
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{ 'single quotes': 1 }")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(broken))
