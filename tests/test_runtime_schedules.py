@@ -15,7 +15,7 @@ from fastzero.runtime.loss_scaler import (
     StaticLossScaler,
     loss_scaler_from_config,
 )
-from fastzero.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from fastzero.runtime.lr_schedules import SCHEDULES, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def deepspeed_module(name):
@@ -70,23 +70,25 @@ def test_scaler_from_config():
 
 
 def optimizer(lrs=(0.1, 0.2)):
-    return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs])
+    """An optimizer with betas (so OneCycle cycles momentum) and two groups."""
+    return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs])
 
 
 def lrs_over(sched, opt, steps):
-    out = [[g["lr"] for g in opt.param_groups]]
+    """lr and beta1 of every group, before the first step and after each."""
+    out = [[v for g in opt.param_groups for v in (g["lr"], g["betas"][0])]]
     for _ in range(steps):
         sched.step()
-        out.append([g["lr"] for g in opt.param_groups])
+        out.append([v for g in opt.param_groups for v in (g["lr"], g["betas"][0])])
     return out
 
 
 def test_warmup_lr_hand_worked():
     opt = optimizer()
     lrs = lrs_over(WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10), opt, 12)
-    assert lrs[0] == [0.0, 0.0]  # before the first step
+    assert lrs[0][0::2] == [0.0, 0.0]  # before the first step
     assert lrs[1][0] == 0.0 and lrs[3][0] == pytest.approx(math.log(3) / math.log(10))
-    assert lrs[11][0] == 1.0 and lrs[12] == [1.0, 1.0]
+    assert lrs[11][0] == 1.0 and lrs[12][0::2] == [1.0, 1.0]
     linear = optimizer()
     lin = lrs_over(WarmupLR(linear, 0.0, 1.0, 10, "linear"), linear, 5)
     assert [x[0] for x in lin[1:]] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
@@ -104,6 +106,27 @@ def test_warmup_lr_hand_worked():
             WarmupCosineLR,
             "WarmupCosineLR",
             dict(total_num_steps=20, warmup_num_steps=3, cos_min_ratio=0.2, warmup_type="linear"),
+        ),
+        (LRRangeTest, "LRRangeTest", dict(lr_range_test_min_lr=0.01, lr_range_test_step_size=4)),
+        (
+            LRRangeTest,
+            "LRRangeTest",
+            dict(lr_range_test_step_size=3, lr_range_test_step_rate=2.0, lr_range_test_staircase=True),
+        ),
+        (OneCycle, "OneCycle", dict(cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=10)),
+        (
+            OneCycle,
+            "OneCycle",
+            dict(
+                cycle_min_lr=0.01,
+                cycle_max_lr=0.1,
+                cycle_first_step_size=8,
+                cycle_second_step_size=12,
+                decay_step_size=3,
+                decay_lr_rate=0.5,
+                decay_mom_rate=0.1,
+                cycle_first_stair_count=4,
+            ),
         ),  # fmt: skip
     ],
 )
@@ -131,3 +154,17 @@ def test_schedule_state_dict_resumes():
 def test_bad_schedule_arguments(bad):
     with pytest.raises(ValueError, match="warmup"):
         WarmupLR(optimizer(), **bad)
+
+
+def test_one_cycle_keeps_each_groups_beta2():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95))
+    sched = OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=4)
+    for _ in range(6):
+        sched.step()
+    assert opt.param_groups[0]["betas"][1] == 0.95  # DeepSpeed's would be 0.99
+
+
+def test_every_configured_schedule_exists():
+    from fastzero.config import SCHEDULER_PARAMS
+
+    assert set(SCHEDULES) == set(SCHEDULER_PARAMS)

@@ -1,2 +1,2 @@
 """fastzero's thin ZeRO runtime (issue 4, in progress): so far the loss
-scaler and the learning-rate schedules the engine will drive."""
+scaler and the learning-rate schedules that the engine will drive."""
