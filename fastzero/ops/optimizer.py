@@ -76,7 +76,7 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
         return self.master_weights and p.dtype != torch.float32
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: Tensor | None = None):
+    def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: float | Tensor | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -85,6 +85,8 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, Tensor):
+            found_inf = torch.tensor(float(found_inf))
         for gi, group in enumerate(self.param_groups):
             self._check_group(gi, group)
             lists = self._gather(gi, group)
@@ -100,7 +102,7 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
                 step.add_(1)
             self._update(gi, group, lists, step, grad_scale, found_inf)
             if lists.device.type != "cpu" and found_inf is not None:
-                step.sub_(found_inf.to(step.device, torch.float32).clamp(0, 1))
+                step.sub_((found_inf.to(step.device) != 0).to(torch.float32))  # NaN counts as set, as in the kernels
             for p, data in lists.staged:
                 p.detach().copy_(data)
         return loss
