@@ -1,0 +1,105 @@
+"""Who this process is in the job, read from the launcher's environment:
+torchrun (and anything that sets RANK/WORLD_SIZE), else OpenMPI's mpirun,
+else SLURM's srun; then the process group over NCCL on GPUs or Gloo on CPUs.
+torch.distributed stays the engine: this only reads what launchers set."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "mpirun", "slurm" or "single"
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"{name} is not set; the launcher must set it (or use torchrun / fastzero to launch)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"{name}={value!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise RuntimeError(f"cannot read the first host of SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges)[0]  # keeps the zero padding of the range
+
+
+def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """This process's rank, local rank, world size and rendezvous address."""
+    env = os.environ if environ is None else environ
+    port = _int(env, "MASTER_PORT", DEFAULT_PORT)
+    if "RANK" in env or "WORLD_SIZE" in env:
+        rank, world, local = _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0)
+        addr, launcher = env.get("MASTER_ADDR", "127.0.0.1"), "torchrun"
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+        addr, launcher = env.get("MASTER_ADDR"), "mpirun"
+        if addr is None:
+            if _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world) != world:
+                raise RuntimeError(
+                    "mpirun across several hosts: set MASTER_ADDR to rank 0's host (mpirun -x MASTER_ADDR=<host>)"
+                )
+            addr = "127.0.0.1"
+    elif "SLURM_PROCID" in env:
+        rank, world, local = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), _int(env, "SLURM_LOCALID", 0)
+        addr, launcher = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "")), "slurm"
+    else:
+        return DistEnv(0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise RuntimeError(f"inconsistent launcher environment ({launcher}): rank {rank}, local rank {local}, "
+                           f"world size {world}")  # fmt: skip
+    return DistEnv(rank, local, world, addr, port, launcher)
+
+
+def default_backend() -> str:
+    """NCCL where there are GPUs, Gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0, environ=None) -> DistEnv:
+    """Joins (or, alone, forms) the default process group. A rank that never
+    arrives, or dies, makes the others fail after `timeout_s` seconds with
+    torch.distributed's error instead of hanging."""
+    env = dist_env(environ)
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise RuntimeError(
+                f"torch.distributed is already initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"but the environment says rank {env.rank} of {env.world_size}"
+            )
+        return env
+    backend = backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
+        world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    return env
