@@ -97,3 +97,36 @@ def test_two_gloo_processes_form_a_group(tmp_path):
         assert p.returncode == 0, err[-2000:]
     assert sorted(o.split()[0] for o, _ in outs) == ["0", "1"]
     assert all(o.split()[1:] == ["2", "gloo", "3.0"] for o, _ in outs)
+
+
+def test_a_rank_that_dies_makes_the_other_fail_within_the_timeout(tmp_path):
+    """Rank 1 exits right after joining; rank 0's next collective fails with
+    an error after about `timeout_s` instead of hanging."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, sys, time, torch, torch.distributed as dist
+        from fastzero.comm import init_distributed
+        env = init_distributed(timeout_s=5)
+        if env.rank == 1:
+            os._exit(0)  # dies without a word
+        t0 = time.time()
+        try:
+            dist.all_reduce(torch.ones(4))
+        except Exception as exc:
+            print("failed after", round(time.time() - t0, 1), type(exc).__name__)
+            sys.exit(3)
+        print("no error")
+    """)
+    )
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, PYTHONPATH=str(Path(__file__).resolve().parent.parent))  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    out, err = procs[0].communicate(timeout=90)
+    procs[1].communicate(timeout=30)
+    assert procs[0].returncode == 3, out + err[-2000:]
+    assert "failed after" in out and float(out.split()[2]) < 60
