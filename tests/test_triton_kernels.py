@@ -17,25 +17,10 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 from fastzero.ops import reference  # noqa: E402
 from fastzero.ops.reference.tolerances import assert_close  # noqa: E402
 from fastzero.triton_kernels import _multi_tensor, adam, lamb  # noqa: E402
+from tests.kernel_checks import BF16, COMBOS, F16, F32  # noqa: E402  (the combinations every backend supports)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SIZES = [1, 7, 17, 1023, 4099]  # under the interpreter 2048 elements an item, 1024 a block: loops and tails
-# (param, grad, state, copy) combinations the kernels support.
-COMBOS = [
-    (F32, F32, F32, None),
-    (F32, BF16, F32, None),
-    (F32, F16, F32, None),
-    (F32, BF16, F32, BF16),
-    (F32, F16, F32, F16),
-    (F32, F32, F32, BF16),
-    (BF16, BF16, F32, None),
-    (BF16, F32, F32, None),
-    (BF16, BF16, BF16, None),
-    (F16, F16, F32, None),
-    (F16, F32, F16, None),
-    (F16, BF16, F32, None),
-]
 NO_COPY = [(p, g, s, None) for p, g, s, _ in COMBOS]  # mixed lists: copies are all or none
 WITH_COPY = [c for c in COMBOS if c[3] is not None] + [(F32, F32, F32, F16)]
 MODES_MIX = [(F32, BF16, F32, None), (BF16, BF16, BF16, None), (F16, F32, F16, None)]  # 3 launches, not 12
