@@ -32,8 +32,9 @@ def make_tensors(sizes, p_dtype, g_dtype, s_dtype, c_dtype):
     return params, grads, exp_avgs, exp_avg_sqs, copies
 
 
-def clone_all(tensors):
-    return [None if t is None else [x.clone() for x in t] for t in tensors]
+def clone_all(tensors, dtype=None):
+    """Fresh copies (in `dtype`, if given) of lists of tensors; never aliases."""
+    return [None if t is None else [x.to(dtype or x.dtype, copy=True) for x in t] for t in tensors]
 
 
 def run_both(kernel_step, reference_step, sizes, combo, steps=20, **hyper):
@@ -42,7 +43,7 @@ def run_both(kernel_step, reference_step, sizes, combo, steps=20, **hyper):
     approximates), from the same inputs and fresh grads every step."""
     kernel = make_tensors(sizes, *combo)
     ref = clone_all(kernel)
-    ideal = [None if t is None else [x.to(torch.float32, copy=True) for x in t] for t in kernel]
+    ideal = clone_all(kernel, torch.float32)
     for step in range(1, steps + 1):
         if step > 1:  # fresh random grads every step
             for a, b, c in zip(kernel[1], ref[1], ideal[1]):

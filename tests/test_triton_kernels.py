@@ -17,7 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 from fastzero.ops import reference  # noqa: E402
 from fastzero.ops.reference.tolerances import assert_close  # noqa: E402
 from fastzero.triton_kernels import _multi_tensor, adam, lamb  # noqa: E402
-from tests.kernel_checks import BF16, COMBOS, F16, F32  # noqa: E402  (the combinations every backend supports)
+from tests import kernel_checks  # noqa: E402
+from tests.kernel_checks import BF16, COMBOS, F16, F32, clone_all  # noqa: E402  (shared by every backend)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 7, 17, 1023, 4099]  # under the interpreter 2048 elements an item, 1024 a block: loops and tails
@@ -47,10 +48,6 @@ def make_tensors(sizes, combos, scales=(1.0,)):
         out[4].append(None if c_dt is None else torch.randn(n).to(DEVICE, c_dt))
     out[4] = None if out[4] and out[4][0] is None else out[4]
     return out
-
-
-def clone_all(tensors, dtype=None):
-    return [None if t is None else [x.to(dtype or x.dtype, copy=True) for x in t] for t in tensors]
 
 
 def scalar(x):
@@ -84,22 +81,8 @@ def run_all(opt, sizes, combos, steps=20, scales=(1.0,), grad_scale=3.0, **hyper
 
 
 def check_all(kernel, ref, ideal, coeffs=None):
-    """fp32 results match the reference to fp32 rounding. Low-precision stored values
-    rounded every step may flip roundings differently and compound, so there the
-    kernel's error against the fp32 ideal must be at most twice the same-dtype
-    reference's, in max and in RMS (as tests/test_cpu_adam_kernel.py)."""
-    names = ("param", "grad", "exp_avg", "exp_avg_sq", "copy")
-    for name, ks, rs, ids in zip(names, kernel, ref, ideal):
-        for i, (k, r, ide) in enumerate(zip(ks or [], rs or [], ids or [])):
-            what = f"{name} {i} (numel {k.numel()}, {k.dtype})"
-            assert k.dtype == r.dtype, what
-            if k.dtype == torch.float32 or name in ("grad", "copy") or k.numel() == 0:
-                assert_close(k, r, msg=what)
-                continue
-            err_k, err_r = (k.float() - ide).abs(), (r.float() - ide).abs()
-            assert err_k.max() <= 2 * err_r.max() + 1e-6, f"{what}: max error {err_k.max()} vs torch {err_r.max()}"
-            rms_k, rms_r = err_k.pow(2).mean().sqrt(), err_r.pow(2).mean().sqrt()
-            assert rms_k <= 2 * rms_r + 1e-7, f"{what}: RMS error {rms_k} vs torch {rms_r}"
+    """tests/kernel_checks.check_all, and the trust ratios against the reference's."""
+    kernel_checks.check_all(kernel, ref, ideal)
     if coeffs is not None:
         got, want, _ = coeffs
         for i, (p, w) in enumerate(zip(kernel[0], want)):
