@@ -114,8 +114,8 @@ def test_a_rank_that_dies_makes_the_other_fail_within_the_timeout(tmp_path):
         try:
             dist.all_reduce(torch.ones(4))
         except Exception as exc:
-            print("failed after", round(time.time() - t0, 1), type(exc).__name__)
-            sys.exit(3)
+            print("failed after", round(time.time() - t0, 1), type(exc).__name__, flush=True)
+            os._exit(3)
         print("no error")
     """)
     )
@@ -128,5 +128,7 @@ def test_a_rank_that_dies_makes_the_other_fail_within_the_timeout(tmp_path):
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
     out, err = procs[0].communicate(timeout=90)
     procs[1].communicate(timeout=30)
-    assert procs[0].returncode == 3, out + err[-2000:]
-    assert "failed after" in out and float(out.split()[2]) < 60
+    # what counts is the error and its timing; the exit code after a broken
+    # group depends on how torch tears down (it may abort)
+    assert "failed after" in out and "no error" not in out, out + err[-2000:]
+    assert float(out.split()[2]) < 60
