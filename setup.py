@@ -109,7 +109,9 @@ setup(
             "ruff>=0.6",
             "triton>=3.2",
             "numpy",
+            "tensorboard>=2.12",
         ],  # fmt: skip
+        "monitor": ["tensorboard>=2.12"],
         "peers": ["deepspeed>=0.14"],
     },
     zip_safe=False,

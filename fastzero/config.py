@@ -373,6 +373,11 @@ def _check_combinations(cfg: Config) -> None:
         )
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(f"zero_optimization.offload_param needs stage 3 (stage is {zero.stage})")
+    if cfg.optimizer.type == "Lamb" and zero.stage >= 1:
+        raise ConfigNotSupported(
+            f"optimizer.type 'Lamb' with zero_optimization.stage {zero.stage}: its trust ratio needs each param whole, "
+            "and stages 1-2 partition flat buffers; use stage 0, or Adam/AdamW"
+        )
     if cfg.optimizer.type == "OneBitAdam" and zero.stage > 1:
         raise ConfigError(
             f"OneBitAdam works with zero_optimization.stage 0 or 1 (stage is {zero.stage}): its compressed momentum "

@@ -1,16 +1,12 @@
 """Process-group setup from the launcher's environment."""
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from fastzero.comm import dist_env
 from fastzero.comm.env import first_slurm_host
+from tests.dist import start_ranks
 
 
 def test_torchrun_variables():
@@ -65,12 +61,6 @@ def test_bad_environments_are_named(env, match):
         dist_env(env)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_processes_form_a_group(tmp_path):
     """Two processes with torchrun's variables join one Gloo group and all-reduce."""
     script = tmp_path / "worker.py"
@@ -85,13 +75,7 @@ def test_two_gloo_processes_form_a_group(tmp_path):
         dist.destroy_process_group()
     """)
     )
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, PYTHONPATH=str(Path(__file__).resolve().parent.parent))  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    procs = start_ranks(script, 2)
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
@@ -119,13 +103,7 @@ def test_a_rank_that_dies_makes_the_other_fail_within_the_timeout(tmp_path):
         print("no error")
     """)
     )
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, PYTHONPATH=str(Path(__file__).resolve().parent.parent))  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    procs = start_ranks(script, 2)
     out, err = procs[0].communicate(timeout=90)
     procs[1].communicate(timeout=30)
     # what counts is the error and its timing; the exit code after a broken

@@ -5,7 +5,9 @@ torch.distributed stays the engine: this only reads what launchers set."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import re
 from collections.abc import Mapping
@@ -102,4 +104,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0, envi
         backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
         world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
     )  # fmt: skip
+    atexit.register(_destroy)  # the group this call made; left alive, torch's teardown at exit may abort
     return env
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        gc.collect()  # engines left in reference cycles go first: the group dying inside the GC at exit may abort
+        dist.destroy_process_group()

@@ -1,2 +1,6 @@
-"""fastzero's thin ZeRO runtime (issue 4, in progress): so far the loss
-scaler and the learning-rate schedules that the engine will drive."""
+"""fastzero's thin ZeRO runtime: the engine (stages 0-2), the loss scaler,
+learning-rate schedules, checkpoints and monitoring."""
+
+from fastzero.runtime.engine import Engine, initialize
+
+__all__ = ["Engine", "initialize"]

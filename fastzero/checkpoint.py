@@ -1,0 +1,50 @@
+"""``python -m fastzero.checkpoint consolidate DIR OUT [--tag TAG]``: a
+fastzero checkpoint (any world size, any stage) to a plain fp32 model
+``state_dict`` file, loadable with ``model.load_state_dict(torch.load(OUT))``
+(what DeepSpeed's ``zero_to_fp32.py`` does). ``info DIR`` prints the manifest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from fastzero.runtime.checkpoint import CheckpointError, consolidate, read_manifest, resolve
+
+__all__ = ["CheckpointError", "consolidate", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastzero.checkpoint", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    cons = sub.add_parser("consolidate", help="write a plain fp32 state_dict")
+    cons.add_argument("dir", help="the directory save_checkpoint wrote into")
+    cons.add_argument("out", help="the .pt file to write")
+    cons.add_argument("--tag", default=None, help="the checkpoint's tag (default: the one 'latest' names)")
+    info = sub.add_parser("info", help="print the checkpoint's manifest")
+    info.add_argument("dir")
+    info.add_argument("--tag", default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "consolidate":
+            sd = consolidate(args.dir, args.tag)
+            torch.save(sd, args.out)
+            numel = sum(t.numel() for t in sd.values())
+            print(f"wrote {args.out}: {len(sd)} tensors, {numel:,} elements")
+        else:
+            path = resolve(args.dir, args.tag)
+            if path is None:
+                raise CheckpointError(f"no 'latest' file in {args.dir}; pass --tag")
+            manifest = read_manifest(path)
+            manifest.pop("files")
+            print(json.dumps(manifest, indent=1))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

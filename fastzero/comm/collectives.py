@@ -1,0 +1,121 @@
+"""The data-parallel group's collectives, asynchronous and recorded.
+
+Every collective goes through :class:`Comm`, which keeps a record of what it
+launched, when, how many bytes, and when it finished: the engine's overlap
+figures and the tests' overlap assertions are read from it. With one process
+and no process group the collectives are local copies, so single-process
+training needs no ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# torch 2.13 renamed the tensor collectives; older torch has only the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CommEvent:
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast"
+    tag: str  # who asked: "grad", "param", "norm", ...
+    nbytes: int  # bytes of the input tensor
+    launched: float  # time.perf_counter() at launch
+    done: float | None = None  # when the collective completed (seen by a callback or the wait)
+
+
+class Handle:
+    """An in-flight collective; :meth:`wait` blocks until it is done."""
+
+    def __init__(self, work, event: CommEvent) -> None:
+        self.work, self.event = work, event
+        if work is None:
+            event.done = event.launched
+        else:
+            try:  # completion time as the backend reports it, not when we happen to wait
+                work.get_future().add_done_callback(lambda _f: self._mark())
+            except (RuntimeError, AttributeError):
+                pass
+
+    def _mark(self) -> None:
+        if self.event.done is None:
+            self.event.done = time.perf_counter()
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self._mark()
+
+
+class Comm:
+    """Collectives over `group` (the default process group when None)."""
+
+    def __init__(self, group=None, record_limit: int = 4096) -> None:
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        nccl = self.distributed and dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.record: deque[CommEvent] = deque(maxlen=record_limit)  # the latest collectives
+        self.recording = True
+
+    def _event(self, op: str, tag: str, t: Tensor) -> CommEvent:
+        event = CommEvent(op, tag, t.numel() * t.element_size(), time.perf_counter())
+        if self.recording:
+            self.record.append(event)
+        return event
+
+    def _local(self) -> bool:
+        return not self.distributed or self.world_size == 1
+
+    def all_reduce(self, t: Tensor, tag: str = "", op=dist.ReduceOp.SUM) -> Handle:
+        event = self._event("all_reduce", tag, t)
+        if self._local():
+            return Handle(None, event)
+        return Handle(dist.all_reduce(t, op=op, group=self.group, async_op=True), event)
+
+    def reduce_scatter(self, out: Tensor, inp: Tensor, tag: str = "") -> Handle:
+        """Sums `inp` (world_size * out.numel() elements) over ranks; rank r
+        gets the r-th chunk of the sum in `out`."""
+        event = self._event("reduce_scatter", tag, inp)
+        if self._local():
+            out.copy_(inp)
+            return Handle(None, event)
+        return Handle(_reduce_scatter(out, inp, group=self.group, async_op=True), event)
+
+    def all_gather(self, out: Tensor, inp: Tensor, tag: str = "") -> Handle:
+        """Concatenates every rank's `inp` into `out`; `inp` may be this
+        rank's chunk of `out` itself."""
+        event = self._event("all_gather", tag, inp)
+        if self._local():
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return Handle(None, event)
+        return Handle(_all_gather(out, inp, group=self.group, async_op=True), event)
+
+    def broadcast(self, t: Tensor, src: int = 0, tag: str = "") -> Handle:
+        event = self._event("broadcast", tag, t)
+        if self._local():
+            return Handle(None, event)
+        return Handle(dist.broadcast(t, src=src, group=self.group, async_op=True), event)
+
+    def all_reduce_scalars(self, values: list[float], op=dist.ReduceOp.SUM, tag: str = "") -> list[float]:
+        """A few numbers summed (or max-ed) over ranks, in one small collective."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.all_reduce(t, tag, op).wait()
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if not self._local():
+            dist.barrier(group=self.group)
+
+    def events(self, op: str | None = None, tag: str | None = None) -> list[CommEvent]:
+        return [e for e in self.record if (op is None or e.op == op) and (tag is None or e.tag == tag)]

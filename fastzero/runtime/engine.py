@@ -1,0 +1,329 @@
+"""The training engine ``fastzero.initialize`` returns: DeepSpeed's engine API
+(``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``,
+``save_checkpoint``/``load_checkpoint``) over ZeRO stages 0-2.
+
+The engine is thin: the layout and collectives are :mod:`fastzero.comm`'s,
+the update is a fused optimizer's (one pass: unscale by the loss scale, the
+1/(ranks x micro-batches) average and the clipping factor all folded into the
+kernel's ``grad_scale``, the low-precision param copy written by the same
+pass), and the loss scaler and schedules are :mod:`fastzero.runtime`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastzero.comm import Comm, dist_env, init_distributed
+from fastzero.config import Config, ConfigError, ConfigNotSupported, load_config
+from fastzero.runtime.loss_scaler import loss_scaler_from_config
+from fastzero.runtime.lr_schedules import SCHEDULES
+from fastzero.runtime.monitor import Monitor
+from fastzero.runtime.optimizer import build_optimizer
+from fastzero.runtime.partition import FlatGroup
+
+
+def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -> list[dict]:
+    """The param groups to train: the client optimizer's, else
+    `model_parameters` (params or dicts), else all of the module's; only
+    params that require grad, each of the module's."""
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        groups = client_optimizer.param_groups
+    else:
+        source = module.parameters() if model_parameters is None else model_parameters
+        source = list(source)
+        groups = source if source and isinstance(source[0], dict) else [{"params": source}]
+    own = {id(p) for p in module.parameters()}
+    out = []
+    for gi, group in enumerate(groups):
+        params = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        for pi, p in enumerate(params):
+            if id(p) not in own:
+                raise ValueError(f"param {pi} of group {gi} is not a parameter of the model; pass the model's own")
+        params = [p for p in params if p.requires_grad]
+        if params:
+            out.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    if not out:
+        raise ValueError("the model has no parameters that require grad: nothing to train")
+    return out
+
+
+class Engine:
+    """Trains `module` data-parallel with ZeRO; built by :func:`initialize`."""
+
+    def __init__(self, module: torch.nn.Module, config: Config, *, model_parameters=None, optimizer=None,
+                 lr_scheduler=None, comm: Comm | None = None) -> None:  # fmt: skip
+        self.config = cfg = config
+        self.comm = comm or Comm()
+        self.stage = cfg.zero_optimization.stage
+        if cfg.zero_optimization.offload_optimizer.device != "none" or self.stage == 3:
+            raise ConfigNotSupported(
+                "zero_optimization stage 3 and offload_optimizer are not in this fastzero version yet; use stage 0-2"
+            )
+        self.dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
+        self.device = self.comm.device
+        self.module = module.to(device=self.device, dtype=self.dtype)
+        groups = _param_groups(self.module, model_parameters, optimizer)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._sync_module_state()
+        zero = cfg.zero_optimization
+        # stages 1-2 reduce-scatter and all-gather the same buckets (see fastzero.comm.layout)
+        bucket = (
+            zero.reduce_bucket_size if self.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+        )
+        overlap = zero.overlap_comm or self.stage == 0  # DDP-style stage 0 always overlaps
+        self.groups = [
+            FlatGroup(
+                g["params"],
+                [names[id(p)] for p in g["params"]],
+                stage=self.stage,
+                comm=self.comm,
+                bucket_size=bucket,
+                overlap=overlap,
+            )  # fmt: skip
+            for g in groups
+        ]
+        self.optimizer = build_optimizer(cfg, groups, [g.optimizer_params() for g in self.groups], optimizer,
+                                         master_weights=self.dtype != torch.float32)  # fmt: skip
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.loss_scaler = loss_scaler_from_config(cfg.fp16) if cfg.fp16.enabled else None
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_hook(group, i))
+            for group in self.groups
+            for i, p in enumerate(group.params)
+        ]
+        self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
+        self.grad_norm: float | None = None
+        self.last_loss: Tensor | None = None
+        self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0, "backward_end": 0.0}
+        self.monitor = Monitor(cfg, rank=self.comm.rank)
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _sync_module_state(self) -> None:
+        """Every rank starts from rank 0's params and buffers."""
+        if self.comm.world_size > 1:
+            handles = [self.comm.broadcast(t.data, 0, "init") for t in self.module.state_dict().values()
+                       if isinstance(t, Tensor)]  # fmt: skip
+            for h in handles:
+                h.wait()
+
+    def _build_scheduler(self, client):
+        if client is not None and self.config.scheduler.type:
+            raise ConfigError("an lr_scheduler was passed to initialize() and the config has a scheduler: keep one")
+        if callable(client) and not hasattr(client, "step"):
+            return client(self.optimizer)
+        if client is not None:
+            client.optimizer = self.optimizer  # it was built on the client's optimizer, which the engine replaced
+            return client
+        if self.config.scheduler.type:
+            return SCHEDULES[self.config.scheduler.type](self.optimizer, **self.config.scheduler.params)
+        return None
+
+    def _grad_hook(self, group: FlatGroup, i: int):
+        if self.stage == 2:
+
+            def hook(p: Tensor) -> None:
+                if group.reducer.active:
+                    group.reducer.ready(i, p.grad)
+                    p.grad = None  # this rank keeps only its shard
+        else:
+
+            def hook(p: Tensor) -> None:
+                group.reducer.ready(i)
+
+        return hook
+
+    # -- the training loop ----------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True for the last micro-batch before an optimizer step."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward; floating-point input tensors are cast to the
+        training dtype (and moved to the engine's device)."""
+        start = time.perf_counter()
+        cast = lambda x: (
+            x.to(self.device, self.dtype if x.is_floating_point() else x.dtype) if isinstance(x, Tensor) else x
+        )
+        args = tuple(cast(a) for a in args)
+        kwargs = {k: cast(v) for k, v in kwargs.items()}
+        out = self.module(*args, **kwargs)
+        self.timers["forward"] += time.perf_counter() - start
+        return out
+
+    def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
+        """Backward of `loss` (scaled when fp16); the gradients are reduced in
+        buckets as backward produces them (stage 2 every micro-batch, stages
+        0-1 on the last one before a step) and waited for before returning."""
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward(loss): loss must be a one-element tensor")
+        start = time.perf_counter()
+        self.last_loss = loss.detach()
+        boundary = self.is_gradient_accumulation_boundary()
+        first = self.micro_steps % self.gradient_accumulation_steps() == 0
+        for group in self.groups:
+            group.attach_grads()
+            if self.stage == 2:
+                group.reducer.begin(accumulate=not first)
+            elif boundary:
+                group.reducer.begin()
+        if self.loss_scaler is not None:
+            loss = loss.float() * self.loss_scaler.loss_scale
+        loss.backward(retain_graph=retain_graph)
+        self.timers["backward_end"] = time.perf_counter()
+        for group in self.groups:
+            group.reducer.finish()
+        self.timers["backward"] += time.perf_counter() - start
+
+    def step(self) -> None:
+        """At an accumulation boundary: the optimizer step over this rank's
+        shard, then the all-gather of the updated params; else nothing."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        start = time.perf_counter()
+        if self.stage == 2 and any(p.grad is not None for g in self.groups for p in g.params):
+            raise RuntimeError("gradients were not reduced: call engine.backward(loss), not loss.backward()")
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        divisor = scale * self.comm.world_size * self.gradient_accumulation_steps()
+        clip = self.config.gradient_clipping
+        self.grad_norm = None
+        if clip > 0 or self.loss_scaler is not None or self.monitor.wants(self.global_steps + 1):
+            self.grad_norm = self._grad_norm() / divisor
+        overflow = self.grad_norm is not None and not math.isfinite(self.grad_norm)
+        if overflow:
+            self.skipped_steps += 1
+            self.monitor.log(f"step {self.global_steps + 1}: gradient overflow (loss scale {scale:g}), step skipped")
+        else:
+            coef = clip / (self.grad_norm + 1e-6) if clip > 0 and self.grad_norm > clip else 1.0
+            self.optimizer.step(grad_scale=divisor / coef)
+            handles = [h for g in self.groups for h in g.gather()]
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            for h in handles:
+                h.wait()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        for group in self.groups:
+            group.zero_grads()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.timers["step"] += time.perf_counter() - start
+        self.monitor.step(self)
+
+    def _grad_norm(self) -> float:
+        """The global L2 norm of the summed gradients: a local sum of squares
+        per shard, one tiny all-reduce (stages 1-2). inf/NaN anywhere gives a
+        non-finite norm: the overflow check."""
+        sumsq = sum(float(torch.linalg.vector_norm(g.grads(), dtype=torch.float32) ** 2) for g in self.groups)
+        if self.stage >= 1:
+            (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
+        return math.sqrt(sumsq) if sumsq >= 0 else float("nan")
+
+    def zero_grad(self) -> None:
+        """Gradients are zeroed by the engine after each step; kept for
+        DeepSpeed scripts that call it."""
+
+    # -- state -----------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds for model states, by kind: ``params`` (the
+        flat low-precision or fp32 params), ``grads`` (flat gradients, or
+        the gradient shard), ``grad_buckets`` (stage 2's pooled buffers),
+        ``master`` (fp32 master params) and ``optimizer`` (exp_avg,
+        exp_avg_sq)."""
+        nbytes = lambda t: t.numel() * t.element_size()
+        out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
+        for g in self.groups:
+            out["params"] += nbytes(g.flat)
+            out["grads"] += nbytes(g.flat_grad if g.flat_grad is not None else g.grad_shard)
+            out["grad_buckets"] += g.reducer.buffer_bytes()
+        for state in self.optimizer.state.values():
+            for key, t in state.items():
+                if isinstance(t, Tensor) and t.dim() > 0:
+                    out["master" if key == "master_param" else "optimizer"] += nbytes(t)
+        if self.dtype == torch.float32:
+            out["master"] = sum(nbytes(p) for g in self.optimizer.param_groups for p in g["params"])
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Kept for DDP-style scripts: accumulation is already automatic."""
+        yield
+
+    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
+        from fastzero.runtime.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True):  # fmt: skip
+        from fastzero.runtime.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
+               model_parameters: Iterable | None = None, training_data=None, lr_scheduler=None,
+               config: str | dict | None = None, config_params: dict | None = None, collate_fn=None,
+               dist_init_required: bool | None = None):  # fmt: skip
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader,
+    lr_scheduler)``. Joins the process group from the launcher's environment
+    when there is more than one rank and none exists yet."""
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "fastzero_config", None)
+    if config is None:
+        raise ConfigError("initialize() needs config= (a path to ds_config.json or a dict)")
+    env = dist_env()
+    if env.world_size > 1 and dist_init_required is not False:
+        init_distributed()
+    comm = Comm()
+    cfg = load_config(config, world_size=comm.world_size)
+    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                    comm=comm)  # fmt: skip
+    loader = None
+    if training_data is not None:
+        sampler = None
+        if comm.world_size > 1:
+            sampler = torch.utils.data.DistributedSampler(training_data, comm.world_size, comm.rank)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
+                                             sampler=sampler, collate_fn=collate_fn)  # fmt: skip
+    return engine, engine.optimizer, loader, engine.lr_scheduler

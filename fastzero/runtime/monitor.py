@@ -1,0 +1,111 @@
+"""Training metrics every ``steps_per_print`` steps: loss, lr, loss scale,
+grad norm, step time, samples/s, peak memory (and with
+``wall_clock_breakdown`` the forward/backward/step split), to the log and,
+when enabled, to TensorBoard (``torch.utils.tensorboard``, DeepSpeed's tag
+names) and to one CSV file. Rank 0 writes; other ranks only count."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from fastzero.config import Config, ConfigError
+
+logger = logging.getLogger("fastzero")
+
+TB_TAGS = {  # DeepSpeed's TensorBoard tags, so dashboards carry over
+    "loss": "Train/Samples/train_loss",
+    "lr": "Train/Samples/lr",
+    "loss_scale": "Train/Samples/loss_scale",
+    "grad_norm": "Train/Samples/grad_norm",
+    "samples_per_sec": "Train/Samples/samples_per_sec",
+    "step_ms": "Train/Samples/step_ms",
+}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on the GPU, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Monitor:
+    def __init__(self, cfg: Config, rank: int = 0) -> None:
+        self.every = cfg.steps_per_print
+        self.breakdown = cfg.wall_clock_breakdown
+        self.rank = rank
+        self.tb = self.csv = self._csv_file = None
+        self.history: list[dict] = []  # what was reported, for scripts and tests
+        if rank == 0 and cfg.tensorboard.enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError(
+                    f"tensorboard.enabled needs the tensorboard package ({exc}); pip install tensorboard, or disable it"
+                ) from None
+            self.tb = SummaryWriter(log_dir=str(Path(cfg.tensorboard.output_path or "runs") / cfg.tensorboard.job_name))
+        if rank == 0 and cfg.csv_monitor.enabled:
+            path = Path(cfg.csv_monitor.output_path or "csv_monitor") / cfg.csv_monitor.job_name / "metrics.csv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.csv_path = path
+            self._csv_file = path.open("a", newline="")
+        self._last = time.perf_counter()
+        self._steps_since = 0
+
+    def wants(self, step: int) -> bool:
+        """Whether step `step` (1-based) is reported (the engine then computes its grad norm)."""
+        return step % self.every == 0
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            logger.info(message)
+
+    def step(self, engine) -> None:
+        self._steps_since += 1
+        if not self.wants(engine.global_steps):
+            return
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        row = dict(
+            step=engine.global_steps,
+            samples=engine.global_samples,
+            loss=float(engine.last_loss) if engine.last_loss is not None else float("nan"),
+            lr=engine.get_lr()[0],
+            loss_scale=engine.loss_scale,
+            grad_norm=engine.grad_norm if engine.grad_norm is not None else float("nan"),
+            step_ms=1e3 * elapsed / self._steps_since,
+            samples_per_sec=engine.train_batch_size() * self._steps_since / elapsed,
+            peak_memory_mb=peak_memory_bytes(engine.device) / 2**20,
+        )
+        if self.breakdown:
+            for key in ("forward", "backward", "step"):
+                row[f"{key}_ms"] = 1e3 * engine.timers[key] / self._steps_since
+                engine.timers[key] = 0.0
+        self._steps_since = 0
+        self.history.append(row)
+        if self.rank != 0:
+            return
+        self.log(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        if self.tb is not None:
+            for key, tag in TB_TAGS.items():
+                self.tb.add_scalar(tag, row[key], engine.global_samples)
+            self.tb.flush()
+        if self._csv_file is not None:
+            if self.csv is None:
+                self.csv = csv.DictWriter(self._csv_file, fieldnames=list(row))
+                if self._csv_file.tell() == 0:
+                    self.csv.writeheader()
+            self.csv.writerow(row)
+            self._csv_file.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self._csv_file is not None:
+            self._csv_file.close()

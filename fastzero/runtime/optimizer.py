@@ -1,0 +1,75 @@
+"""The engine's optimizer: one of fastzero's fused optimizers over what the
+rank updates (the model's params at stage 0, its shard's chunks above), built
+from the config's ``optimizer`` section or from the optimizer the script
+passed (torch.optim.Adam/AdamW and fastzero's own are taken over with their
+hyperparameters, so a script switches without edits)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastzero.config import Config, ConfigError, ConfigNotSupported
+from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
+
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
+_LAMB_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_grad_norm", "max_coeff", "min_coeff",
+              "eps_inside_sqrt")  # fmt: skip
+
+
+def _from_client(client: torch.optim.Optimizer) -> tuple[type, dict, list[dict]]:
+    """(fastzero class, constructor kwargs, per-group hyperparameters) that
+    reproduce `client`'s math."""
+    groups = client.param_groups
+    if isinstance(client, FusedLamb):
+        return FusedLamb, {}, [{k: g[k] for k in _LAMB_KEYS if k in g} for g in groups]
+    if isinstance(client, (FusedAdam, CPUAdam)):
+        return FusedAdam, {}, [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
+    if type(client) in (torch.optim.Adam, torch.optim.AdamW):
+        adamw = isinstance(client, torch.optim.AdamW) or bool(client.defaults.get("decoupled_weight_decay"))
+        for gi, g in enumerate(groups):
+            for key in ("amsgrad", "maximize"):
+                if g.get(key):
+                    raise ConfigNotSupported(f"{type(client).__name__}({key}=True) in param group {gi}: fastzero's "
+                                             f"fused Adam does not implement {key}")  # fmt: skip
+        keep = ("lr", "betas", "eps", "weight_decay")
+        return FusedAdam, {}, [dict({k: g[k] for k in keep}, adamw_mode=adamw) for g in groups]
+    raise ConfigNotSupported(
+        f"optimizer={type(client).__name__}: the engine runs fastzero's fused kernels over its shards and takes "
+        "torch.optim.Adam/AdamW, fastzero.ops.FusedAdam/CPUAdam/FusedLamb, or the config's optimizer section"
+    )
+
+
+def build_optimizer(cfg: Config, groups: list[dict], shard_params: list[list[Tensor]], client=None, *,
+                    master_weights: bool) -> torch.optim.Optimizer:  # fmt: skip
+    """`groups` are the training's param groups (with any per-group
+    hyperparameters), `shard_params` what the rank updates for each."""
+    opt = cfg.optimizer
+    if client is not None and opt.type:
+        raise ConfigError("an optimizer was passed to initialize() and the config has an optimizer section: keep one")
+    if client is not None and not isinstance(client, torch.optim.Optimizer):
+        if not callable(client):
+            raise ConfigError(f"optimizer={client!r}: pass a torch.optim.Optimizer or a callable(params) -> one")
+        client = client([{**g, "params": g["params"]} for g in groups])
+    if client is not None:
+        cls, kwargs, hypers = _from_client(client)
+    elif not opt.type:
+        raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass optimizer= to initialize()")
+    else:
+        params = dict(opt.params)
+        if opt.type == "OneBitAdam":
+            raise ConfigNotSupported("optimizer.type = 'OneBitAdam': not in this fastzero version yet")
+        if opt.type == "Lamb":
+            cls = FusedLamb
+        else:
+            cls = FusedAdam
+            params["adam_w_mode"] = params.pop("adam_w_mode", True) if opt.type == "Adam" else True
+        kwargs = params
+        keys = _LAMB_KEYS if cls is FusedLamb else ("lr", "betas", "eps", "weight_decay")
+        hypers = [{k: g[k] for k in keys if k in g} for g in groups]  # per-group overrides of the config
+    if cls is FusedLamb and cfg.zero_optimization.stage >= 1:
+        raise ConfigNotSupported(
+            f"Lamb with zero_optimization.stage {cfg.zero_optimization.stage}: its trust ratio needs each param "
+            "whole, and stages 1-2 partition flat buffers; use stage 0 (or Adam/AdamW)"
+        )
+    return cls([{**h, "params": p} for h, p in zip(hypers, shard_params)], master_weights=master_weights, **kwargs)

@@ -1,0 +1,88 @@
+"""One param group flattened for ZeRO: the model's params become views of one
+padded buffer (so the all-gather writes them in place), and this rank gets
+its shard of the gradient, the fp32 master and the optimizer state.
+
+* stage 0: gradients are views of a flat buffer, all-reduced per bucket;
+  the optimizer updates the model's params (every rank, everything).
+* stage 1: the same flat gradient buffer, reduce-scattered into the rank's
+  gradient shard once per step; the optimizer updates the rank's chunks of
+  the flat param buffer; an all-gather brings everyone's chunks back.
+* stage 2: no full gradient buffer; each gradient is copied into a pooled
+  bucket as backward produces it and freed, and the bucket reduce-scattered
+  (accumulating over micro-batches) into the shard.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastzero.comm.buckets import GradReducer, gather_params
+from fastzero.comm.collectives import Comm
+from fastzero.comm.layout import FlatLayout, Segment
+
+
+class FlatGroup:
+    def __init__(self, params: list[Tensor], names: list[str], *, stage: int, comm: Comm, bucket_size: int,
+                 overlap: bool) -> None:  # fmt: skip
+        self.params, self.names, self.stage, self.comm = params, names, stage, comm
+        world, self.rank = (comm.world_size, comm.rank) if stage >= 1 else (1, 0)
+        self.layout = FlatLayout([p.numel() for p in params], world, bucket_size)
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.flat = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
+        for i, p in enumerate(params):
+            view = self._view(self.flat, i)
+            view.copy_(p.detach())
+            p.data = view
+        # the flat gradient buffer (stages 0-1) or the gradient shard (1-2)
+        self.flat_grad = torch.zeros_like(self.flat) if stage <= 1 else None
+        self.grad_shard = None if stage == 0 else torch.zeros(self.layout.shard_size, dtype=self.dtype,
+                                                              device=self.device)  # fmt: skip
+        mode = "all_reduce" if stage == 0 else "reduce_scatter"
+        self.reducer = GradReducer(comm, self.layout, mode, shard=self.grad_shard, flat=self.flat_grad, overlap=overlap)
+        self.attach_grads()
+
+    def _view(self, flat: Tensor, i: int) -> Tensor:
+        lo = self.layout.offsets[i]
+        return flat[lo : lo + self.params[i].numel()].view_as(self.params[i])
+
+    def attach_grads(self) -> None:
+        """Stages 0-1: each param's .grad is its view of the flat gradient
+        buffer, so autograd accumulates into it in place."""
+        if self.flat_grad is None:
+            return
+        for i, p in enumerate(self.params):
+            view = self._view(self.flat_grad, i)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:  # someone replaced it (set_to_none): keep what it holds
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def optimizer_params(self) -> list[Tensor]:
+        """What the optimizer updates, each with its ``.grad`` set: the model's
+        params (stage 0) or this rank's chunks of the flat buffer."""
+        if self.stage == 0:
+            return list(self.params)
+        out = []
+        for b in self.layout.buckets:
+            lo, hi = b.owned(self.rank)
+            chunk = self.flat[lo:hi]
+            chunk.grad = self.grad_shard[b.shard_start : b.shard_start + b.chunk]
+            out.append(chunk)
+        return out
+
+    def grads(self) -> Tensor:
+        """This rank's reduced gradient (summed over ranks, not yet averaged)."""
+        return self.flat_grad if self.stage == 0 else self.grad_shard
+
+    def zero_grads(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+
+    def gather(self) -> list:
+        return [] if self.stage == 0 else gather_params(self.comm, self.layout, self.flat)
+
+    def segments(self) -> list[Segment]:
+        """The pieces of params whose optimizer state this rank holds."""
+        return self.layout.segments(self.rank)
