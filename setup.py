@@ -99,6 +99,7 @@ setup(
     ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=["torch>=2.4", "pybind11>=2.10", "ninja"],
+    entry_points={"console_scripts": ["fastzero=fastzero.launcher:main"]},
     extras_require={
         "bench": ["matplotlib>=3.7", "rich>=13", "pytest-benchmark>=4"],
         "test": [

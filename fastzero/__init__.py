@@ -15,7 +15,7 @@ def initialize(*args, **kwargs):
     return _initialize(*args, **kwargs)
 
 
-def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0, **_ignored):
+def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None, **_ignored):
     """Joins the process group from the launcher's environment (DeepSpeed's
     ``deepspeed.init_distributed``)."""
     from fastzero.comm.env import init_distributed as _init

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_ranks
+from tests.dist import run_ranks, start_ranks
 from tests.workers.train_zero import MICRO, global_batch, make_model
 
 WORKER = Path(__file__).parent / "workers" / "train_zero.py"
@@ -121,3 +121,29 @@ def test_stage2_reduce_scatters_are_launched_during_backward(tmp_path):
         assert sum(t < 0 for t in launches) >= buckets - 1, launches  # all but the last before backward ended
     (ranks,) = train(tmp_path, 2, [dict(stage=2, overlap=False, bucket=320, steps=2)])
     assert all(t >= 0 for t in ranks[0]["grad_launches"])  # without overlap: after backward
+
+
+def test_a_rank_that_dies_mid_training_makes_the_other_fail_within_the_timeout(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os, sys, time, torch, fastzero\n"
+        "from tests.workers.train_zero import config, make_model\n"
+        "engine, *_ = fastzero.initialize(model=make_model(), config=config(dict(stage=2, gas=1)))\n"
+        "x, y = torch.randn(4, 33), torch.randn(4, 17)\n"
+        "engine.backward(torch.nn.functional.mse_loss(engine(x), y)); engine.step()\n"
+        "if engine.comm.rank == 1:\n"
+        "    os._exit(0)  # dies without a word\n"
+        "t0 = time.time()\n"
+        "try:\n"
+        "    for _ in range(3):\n"
+        "        engine.backward(torch.nn.functional.mse_loss(engine(x), y)); engine.step()\n"
+        "except Exception as exc:\n"
+        "    print('failed after', round(time.time() - t0, 1), type(exc).__name__, flush=True)\n"
+        "    os._exit(3)\n"
+        "print('no error', flush=True)\n"
+    )
+    procs = start_ranks(script, 2, env={"FASTZERO_DIST_TIMEOUT": "5"})
+    out, err = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=30)
+    assert "failed after" in out and "no error" not in out, out + err[-2000:]
+    assert float(out.split()[2]) < 60

@@ -85,11 +85,16 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 1800.0, environ=None) -> DistEnv:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None, environ=None) -> DistEnv:
     """Joins (or, alone, forms) the default process group. A rank that never
-    arrives, or dies, makes the others fail after `timeout_s` seconds with
-    torch.distributed's error instead of hanging."""
+    arrives, or dies, makes the others fail after `timeout_s` seconds
+    (default: ``FASTZERO_DIST_TIMEOUT`` or 1800) with torch.distributed's
+    error instead of hanging. ``FASTZERO_DIST_BACKEND`` overrides the backend."""
     env = dist_env(environ)
+    environ = os.environ if environ is None else environ
+    if timeout_s is None:
+        timeout_s = float(environ.get("FASTZERO_DIST_TIMEOUT", 1800))
+    backend = backend or environ.get("FASTZERO_DIST_BACKEND")
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise RuntimeError(
