@@ -149,6 +149,14 @@ class Engine:
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True for the last micro-batch before an optimizer step."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
