@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from bench import kernels
 from bench.compare import Check
 
 
@@ -32,6 +33,8 @@ def chart(results: dict, path: Path) -> list[Path]:
     written = []
     for kernel in sorted({k for k, _ in table}):
         cases = [c for k, c in table if k == kernel]
+        if not any("gb_per_s" in m for c in cases for m in table[(kernel, c)].values()):
+            continue  # not a bandwidth family (zero): its table says it all
         providers = [p for p in dict.fromkeys(p for c in cases for p in table[(kernel, c)]) if p != "roofline"]
         fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(cases) + 2), 4))
         colors = {p: f"C{i}" for i, p in enumerate(providers)}
@@ -83,6 +86,10 @@ def markdown(results: dict, checks: list[Check] | None, tolerance: float, path: 
         key = (case_info["kernel"], case_info["name"])
         provs = table[key]
         lines += [f"## {key[0]} / {key[1]}", "", case_info["description"], ""]
+        own = getattr(kernels.load(key[0]), "table", None) if key[0] in kernels.KERNELS else None
+        if own is not None:
+            lines += [*own(case_info, provs), ""]
+            continue
         lines += [
             "| provider | median ms | spread | Gparam/s | GB/s | of roofline | speedups |",
             "|---|---:|---:|---:|---:|---:|---|",

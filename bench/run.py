@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = sorted(kernels.KERNELS) if (args.all or args.list) else args.kernel
     modules = [kernels.load(n) for n in names]
+    if args.all:
+        modules = [m for m in modules if getattr(m, "IN_ALL", True)]
     wrong = [m.NAME for m in modules if args.device not in m.DEVICES]
     if wrong and not (args.all or args.list):
         raise SystemExit(f"{', '.join(wrong)} does not run on --device {args.device}")
@@ -138,6 +140,9 @@ def main(argv=None) -> int:
 
 
 def _measure(case, args, say):
+    own = getattr(kernels.load(case.kernel), "measure", None)  # a family that times itself (multi-process jobs)
+    if own is not None:
+        return own(case, args, say)
     res = run_case(case, warmup=args.warmup, repeats=args.repeats, on_progress=say, slowdown=args.inject_slowdown)
     return res.rows(), res.skipped
 
@@ -177,6 +182,9 @@ def _print_case(case, rows, skipped, progress):
     for r in rows:
         by.setdefault(r["provider"], {})[r["metric"]] = r["value"]
     out = [f"{case.kernel} / {case.name}: {case.description}"]
+    own = getattr(kernels.load(case.kernel), "table", None)
+    if own is not None:  # a family with its own table (zero)
+        return _emit("\n".join([*out, *own({"skipped": skipped}, by)]), progress)
     for prov, m in by.items():
         extra = "".join(
             f"  {k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in m.items() if k.startswith("speedup_vs_")
@@ -185,9 +193,12 @@ def _print_case(case, rows, skipped, progress):
         out.append(f"  {prov:<15} {m['median_ms']:8.2f} ms ±{m['spread']:5.1%}  {m['gb_per_s']:6.1f} GB/s{frac}{extra}")
     for prov, why in skipped.items():
         out.append(f"  {prov:<15} skipped: {why}")
-    text = "\n".join(out)
+    _emit("\n".join(out), progress)
+
+
+def _emit(text, progress):
     if progress:
-        progress.console.print(text, highlight=False)
+        progress.console.print(text, highlight=False, soft_wrap=True)  # tables keep their rows
     else:
         print(text, flush=True)
 

@@ -1,5 +1,10 @@
 """Kernel families the suite knows: each module declares its cases (sizes,
-bytes, providers: fastzero's backends, the peers, the bandwidth probe)."""
+bytes, providers: fastzero's backends, the peers, the bandwidth probe).
+
+A family may also define ``measure(case, args, say) -> (rows, skipped)``
+when it times itself (multi-process jobs: ``zero``) instead of the harness's
+in-process rounds, ``table(case_info, provs)`` for its Markdown lines, and
+``IN_ALL = False`` to stay out of ``--all``."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ KERNELS = {
     "cpu_adam": "bench.kernels.cpu_adam",
     "fused_adam": "bench.kernels.fused_adam",
     "fused_lamb": "bench.kernels.fused_lamb",
+    "zero": "bench.kernels.zero",
 }
 
 

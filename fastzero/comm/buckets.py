@@ -40,7 +40,8 @@ class GradReducer:
         self.shard, self.flat, self.overlap, self.tag = shard, flat, overlap, tag
         self.dtype = (flat if flat is not None else shard).dtype
         self.device = (flat if flat is not None else shard).device
-        self._free: list[tuple[Tensor, Tensor]] = []  # (bucket buffer, chunk-sized temp) ready for reuse
+        self._free: list[Tensor] = []  # bucket buffers ready for reuse
+        self._scratch: dict[int, Tensor] = {}  # per buffer, a chunk for results to accumulate (made when first needed)
         self.buffers_allocated = 0
         self.active = False
 
@@ -51,7 +52,7 @@ class GradReducer:
         self.accumulate = accumulate
         self.pending = list(self.layout.bucket_numel)
         self.arrived = [False] * len(self.layout.numels)
-        self.assigned: dict[int, tuple[Tensor, Tensor]] = {}
+        self.assigned: dict[int, Tensor] = {}
         self.next_launch = 0
         self.in_flight: deque[tuple[int, Handle]] = deque()
         self.active = True
@@ -102,7 +103,7 @@ class GradReducer:
                 src = (
                     self.flat[b.start : b.start + b.size] if self.flat is not None else self._buffer(b.index)[: b.size]
                 )
-                out = self.assigned[b.index][1][: b.chunk] if self.accumulate else self.shard[chunk]
+                out = self._scratch_for(b.index)[: b.chunk] if self.accumulate else self.shard[chunk]
                 handle = self.comm.reduce_scatter(out, src, self.tag)
             self.in_flight.append((b.index, handle))
             self.next_launch += 1
@@ -111,11 +112,11 @@ class GradReducer:
         index, handle = self.in_flight.popleft()
         handle.wait()
         if index in self.assigned:
-            buf, tmp = self.assigned.pop(index)
+            buf = self.assigned.pop(index)
             if self.accumulate:
                 b = self.layout.buckets[index]
-                self.shard[b.shard_start : b.shard_start + b.chunk].add_(tmp[: b.chunk])
-            self._free.append((buf, tmp))
+                self.shard[b.shard_start : b.shard_start + b.chunk].add_(self._scratch_for(index, buf)[: b.chunk])
+            self._free.append(buf)
 
     def _buffer(self, index: int) -> Tensor:
         """Bucket `index`'s buffer: a free one, else the oldest in flight once
@@ -125,16 +126,23 @@ class GradReducer:
             if not self._free and self.in_flight:
                 self._complete_oldest()
             if self._free:
-                pair = self._free.pop()
+                buf = self._free.pop()
             else:
-                cap = max(b.size for b in self.layout.buckets)
-                pair = (torch.empty(cap, dtype=self.dtype, device=self.device),
-                        torch.empty(cap // self.layout.world_size, dtype=self.dtype, device=self.device))  # fmt: skip
+                buf = torch.empty(max(b.size for b in self.layout.buckets), dtype=self.dtype, device=self.device)
                 self.buffers_allocated += 1
             b = self.layout.buckets[index]
-            pair[0][self.layout.bucket_numel[index] : b.size].zero_()  # padding (params fill buckets from the start)
-            self.assigned[index] = pair
-        return self.assigned[index][0]
+            buf[self.layout.bucket_numel[index] : b.size].zero_()  # padding (params fill buckets from the start)
+            self.assigned[index] = buf
+        return self.assigned[index]
+
+    def _scratch_for(self, index: int, buf: Tensor | None = None) -> Tensor:
+        """The chunk-sized scratch of bucket `index`'s buffer, where an
+        accumulating reduce-scatter lands before it is added to the shard."""
+        key = (buf if buf is not None else self.assigned[index]).data_ptr()
+        if key not in self._scratch:
+            cap = max(b.chunk for b in self.layout.buckets)
+            self._scratch[key] = torch.empty(cap, dtype=self.dtype, device=self.device)
+        return self._scratch[key]
 
     def _zero_param(self, i: int) -> None:
         lo = self.layout.offsets[i]
@@ -144,9 +152,9 @@ class GradReducer:
             self._buffer(b)[a : a + n].zero_()
 
     def buffer_bytes(self) -> int:
-        """Bytes of the pooled bucket buffers (copy mode)."""
-        pairs = list(self._free) + list(getattr(self, "assigned", {}).values())
-        return sum(buf.numel() * buf.element_size() + tmp.numel() * tmp.element_size() for buf, tmp in pairs)
+        """Bytes of the pooled bucket buffers and their scratch (copy mode)."""
+        tensors = [*self._free, *getattr(self, "assigned", {}).values(), *self._scratch.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def gather_params(comm: Comm, layout: FlatLayout, flat: Tensor, tag: str = "param") -> list[Handle]:

@@ -273,8 +273,9 @@ class Engine:
         """Bytes this rank holds for model states, by kind: ``params`` (the
         flat low-precision or fp32 params), ``grads`` (flat gradients, or
         the gradient shard), ``grad_buckets`` (stage 2's pooled buffers),
-        ``master`` (fp32 master params) and ``optimizer`` (exp_avg,
-        exp_avg_sq)."""
+        ``master`` (fp32 master params; 0 in fp32 training, where the params
+        are their own masters) and ``optimizer`` (exp_avg, exp_avg_sq). The
+        values add up to the rank's model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
         for g in self.groups:
@@ -285,8 +286,6 @@ class Engine:
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:
                     out["master" if key == "master_param" else "optimizer"] += nbytes(t)
-        if self.dtype == torch.float32:
-            out["master"] = sum(nbytes(p) for g in self.optimizer.param_groups for p in g["params"])
         return out
 
     @contextlib.contextmanager
