@@ -145,3 +145,14 @@ def test_loss_backward_instead_of_engine_backward_is_caught():
     torch.nn.functional.mse_loss(engine(x), y).backward()
     with pytest.raises(RuntimeError, match="engine.backward"):
         engine.step()
+
+
+def test_training_data_gives_a_loader_of_micro_batches():
+    data = torch.utils.data.TensorDataset(torch.randn(40, 33), torch.randn(40, 17))
+    engine, _, loader, _ = fastzero.initialize(model=make_model(), config=cfg(), training_data=data)
+    sizes = [len(x) for x, _ in loader]
+    assert sizes == [8] * 5
+    for x, y in loader:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 5 and engine.global_samples == 40
