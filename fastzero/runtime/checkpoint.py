@@ -253,6 +253,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             if load_optimizer_states:
                 group["step"] = saved["step"]
                 group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved["hyper"].items()})
+        sync = getattr(engine.optimizer, "sync_device_params", None)
+        if sync is not None:  # offloaded masters: the device params from them
+            sync()
         handles = [h for g in engine.groups for h in g.gather()]
         for h in handles:
             h.wait()

@@ -62,10 +62,8 @@ class Engine:
         self.config = cfg = config
         self.comm = comm or Comm()
         self.stage = cfg.zero_optimization.stage
-        if cfg.zero_optimization.offload_optimizer.device != "none" or self.stage == 3:
-            raise ConfigNotSupported(
-                "zero_optimization stage 3 and offload_optimizer are not in this fastzero version yet; use stage 0-2"
-            )
+        if self.stage == 3:
+            raise ConfigNotSupported("zero_optimization stage 3 is not in this fastzero version yet; use stage 0-2")
         self.dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         self.device = self.comm.device
         self.module = module.to(device=self.device, dtype=self.dtype)
@@ -274,15 +272,21 @@ class Engine:
         flat low-precision or fp32 params), ``grads`` (flat gradients, or
         the gradient shard), ``grad_buckets`` (stage 2's pooled buffers),
         ``master`` (fp32 master params; 0 in fp32 training, where the params
-        are their own masters) and ``optimizer`` (exp_avg, exp_avg_sq). The
-        values add up to the rank's model-state bytes."""
+        are their own masters) and ``optimizer`` (exp_avg, exp_avg_sq). With
+        ZeRO-Offload those two are 0 and ``offload_master``,
+        ``offload_optimizer`` and ``offload_staging`` (the pipelined step's
+        CPU buffers) are in CPU memory. The values add up to the rank's
+        model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
+        offloaded = getattr(self.optimizer, "offloaded_bytes", None)
+        if offloaded is not None:  # ZeRO-Offload: master and state in CPU memory, not on the device
+            out.update({f"offload_{k}": v for k, v in offloaded().items()})
         for g in self.groups:
             out["params"] += nbytes(g.flat)
             out["grads"] += nbytes(g.flat_grad if g.flat_grad is not None else g.grad_shard)
             out["grad_buckets"] += g.reducer.buffer_bytes()
-        for state in self.optimizer.state.values():
+        for state in () if offloaded is not None else self.optimizer.state.values():
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:
                     out["master" if key == "master_param" else "optimizer"] += nbytes(t)

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from fastzero.config import Config, ConfigError, ConfigNotSupported
 from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
+from fastzero.runtime.offload import OffloadedAdam
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
 _LAMB_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_grad_norm", "max_coeff", "min_coeff",
@@ -72,4 +73,12 @@ def build_optimizer(cfg: Config, groups: list[dict], shard_params: list[list[Ten
             f"Lamb with zero_optimization.stage {cfg.zero_optimization.stage}: its trust ratio needs each param "
             "whole, and stages 1-2 partition flat buffers; use stage 0 (or Adam/AdamW)"
         )
-    return cls([{**h, "params": p} for h, p in zip(hypers, shard_params)], master_weights=master_weights, **kwargs)
+    groups = [{**h, "params": p} for h, p in zip(hypers, shard_params)]
+    offload = cfg.zero_optimization.offload_optimizer
+    if offload.device == "cpu":
+        if cls is not FusedAdam:
+            raise ConfigNotSupported(f"offload_optimizer with {cls.__name__}: the CPU step is Adam/AdamW (CPUAdam)")
+        if "adam_w_mode" in kwargs:
+            kwargs["adamw_mode"] = kwargs.pop("adam_w_mode")
+        return OffloadedAdam(groups, pin_memory=offload.pin_memory, **kwargs)
+    return cls(groups, master_weights=master_weights, **kwargs)

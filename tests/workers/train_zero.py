@@ -34,6 +34,8 @@ def config(run: dict) -> dict:
                               "reduce_bucket_size": run.get("bucket", 640), "allgather_bucket_size": 100000},
         "steps_per_print": 1000,
     }  # fmt: skip
+    if run.get("offload"):
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if run.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     if run.get("dtype") == "fp16":

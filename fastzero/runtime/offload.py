@@ -1,0 +1,131 @@
+"""ZeRO-Offload of the optimizer: each rank's fp32 master params and Adam
+state live in CPU memory (pinned when asked and CUDA can pin), and the step
+is the CPU Adam kernel's functional entry point with the fused unscale and
+the fused write of the low-precision param copy: one pass over CPU memory.
+
+The step runs in chunks, pipelined with the transfers: while chunk k is
+updated, chunk k+1's gradients come to the CPU and chunk k-1's params go
+back to the device (a side CUDA stream on GPUs; a copy thread when the
+"device" is the CPU, so the same path runs and is tested on CPU machines).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
+
+CHUNK = 1 << 22  # elements per pipelined piece: 16 MiB of fp32 master, big enough for every core
+
+
+class Transfers:
+    """Asynchronous copies between the device and the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pool = None if self.cuda else ThreadPoolExecutor(1, thread_name_prefix="fastzero-offload")
+
+    def copy(self, dst: Tensor, src: Tensor):
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(src.device if src.is_cuda else dst.device))
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return event
+        return self.pool.submit(dst.copy_, src)
+
+    @staticmethod
+    def wait(handle) -> None:
+        if isinstance(handle, Future):
+            handle.result()
+        else:
+            torch.cuda.current_stream().wait_event(handle)
+            handle.synchronize()  # the CPU kernel reads what the copy wrote
+
+
+def _cpu_buffer(like: Tensor, dtype: torch.dtype, pin: bool) -> Tensor:
+    return torch.empty(like.numel(), dtype=dtype, device="cpu", pin_memory=pin)
+
+
+class OffloadedAdam(CPUAdam):
+    """Adam/AdamW whose params are CPU fp32 masters of the given device
+    tensors (the rank's shard chunks, each with its ``.grad``). ``step``
+    brings the grads over, updates the masters and writes the device
+    tensors back, chunk by chunk."""
+
+    def __init__(self, params, *, pin_memory: bool = False, chunk: int = CHUNK, **kwargs) -> None:
+        groups = list(params)
+        groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
+        self.pin = pin_memory and torch.cuda.is_available()  # pinning needs CUDA
+        self.chunk = chunk
+        self.device_of: dict[Tensor, Tensor] = {}  # master -> device tensor
+        cpu_groups = []
+        for g in groups:
+            masters = []
+            for dev in g["params"]:
+                master = _cpu_buffer(dev, torch.float32, self.pin)
+                master.copy_(dev.detach().reshape(-1))
+                self.device_of[master] = dev
+                masters.append(master)
+            cpu_groups.append({**g, "params": masters})
+        super().__init__(cpu_groups, **kwargs)
+        first = next(iter(self.device_of.values()))
+        self.transfers = Transfers(first.device)
+        self.dtype = first.dtype
+        # staging on the CPU: the grads that come in, and (low precision) the param copy the kernel writes
+        self.grad_in = {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
+        self.param_out = None if first.dtype == torch.float32 else {
+            m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}  # fmt: skip
+
+    def sync_device_params(self) -> None:
+        """The device tensors from the masters (after a checkpoint load)."""
+        for master, dev in self.device_of.items():
+            dev.reshape(-1).copy_(master)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | None = None, found_inf=None):
+        if found_inf is not None and bool(found_inf):
+            return None
+        for group in self.param_groups:
+            self._check_group(0, group)
+            pieces = [(m, lo, min(lo + self.chunk, m.numel())) for m in group["params"]
+                      for lo in range(0, m.numel(), self.chunk)]  # fmt: skip
+            if not pieces:
+                continue
+            group["step"] = int(group.get("step", 0)) + 1
+            beta1, beta2 = group["betas"]
+            hyper = dict(step=group["step"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+                         adamw_mode=group["adamw_mode"], grad_scale=grad_scale)  # fmt: skip
+
+            def fetch(piece):
+                m, lo, hi = piece
+                return self.transfers.copy(self.grad_in[m][lo:hi], self.device_of[m].grad.reshape(-1)[lo:hi])
+
+            incoming, outgoing = fetch(pieces[0]), []
+            for k, (m, lo, hi) in enumerate(pieces):
+                following = fetch(pieces[k + 1]) if k + 1 < len(pieces) else None
+                self.transfers.wait(incoming)
+                state = self.state[m]
+                if not state:
+                    self._init_state(m, state)
+                copies = None if self.param_out is None else [self.param_out[m][lo:hi]]
+                cpu_adam_step([m[lo:hi]], [self.grad_in[m][lo:hi]], [state["exp_avg"][lo:hi]],
+                              [state["exp_avg_sq"][lo:hi]], param_copies=copies, **hyper)  # fmt: skip
+                out = m[lo:hi] if copies is None else copies[0]
+                outgoing.append(self.transfers.copy(self.device_of[m].reshape(-1)[lo:hi], out))
+                incoming = following
+            for handle in outgoing:
+                self.transfers.wait(handle)
+        return None
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        states = [t for s in self.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0]
+        staging = [*self.grad_in.values(), *(self.param_out or {}).values()]
+        return {"master": nbytes(self.device_of), "optimizer": nbytes(states), "staging": nbytes(staging)}
