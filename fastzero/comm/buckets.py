@@ -27,9 +27,49 @@ from fastzero.comm.collectives import Comm, Handle
 from fastzero.comm.layout import FlatLayout
 
 
+class BufferPool:
+    """Bucket buffers for copy-mode reducers, shared by several of them
+    (stage 3 has one reducer per param): a free buffer that is big enough,
+    else the oldest reduction in flight (of any reducer) once it completes,
+    else a new one. The pool settles at what one backward needs."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.free: list[Tensor] = []
+        self.scratch: dict[int, Tensor] = {}  # per buffer, a chunk for accumulating results (made when needed)
+        self.in_flight: deque[tuple[GradReducer, int]] = deque()
+        self.allocated = 0
+
+    def take(self, numel: int) -> Tensor:
+        while True:
+            for k, buf in enumerate(self.free):
+                if buf.numel() >= numel:
+                    return self.free.pop(k)
+            if not self.in_flight:
+                break
+            reducer, index = self.in_flight.popleft()
+            reducer.complete(index)
+        self.allocated += 1
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def prune(self) -> None:
+        """Forgets reductions that completed (waited for by their reducer)."""
+        self.in_flight = deque((r, i) for r, i in self.in_flight if i in r.in_flight)
+
+    def scratch_for(self, buf: Tensor, numel: int) -> Tensor:
+        key = buf.data_ptr()
+        if key not in self.scratch or self.scratch[key].numel() < numel:
+            self.scratch[key] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return self.scratch[key]
+
+    def nbytes(self, held: list[Tensor] = ()) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.free, *held, *self.scratch.values()])
+
+
 class GradReducer:
     def __init__(self, comm: Comm, layout: FlatLayout, mode: str, *, shard: Tensor | None = None,
-                 flat: Tensor | None = None, overlap: bool = True, tag: str = "grad") -> None:  # fmt: skip
+                 flat: Tensor | None = None, overlap: bool = True, tag: str = "grad",
+                 pool: BufferPool | None = None) -> None:  # fmt: skip
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode {mode!r}: 'all_reduce' or 'reduce_scatter'")
         if mode == "all_reduce" and flat is None:
@@ -40,9 +80,9 @@ class GradReducer:
         self.shard, self.flat, self.overlap, self.tag = shard, flat, overlap, tag
         self.dtype = (flat if flat is not None else shard).dtype
         self.device = (flat if flat is not None else shard).device
-        self._free: list[Tensor] = []  # bucket buffers ready for reuse
-        self._scratch: dict[int, Tensor] = {}  # per buffer, a chunk for results to accumulate (made when first needed)
-        self.buffers_allocated = 0
+        self.pool = pool or BufferPool(self.dtype, self.device)
+        self.assigned: dict[int, Tensor] = {}
+        self.in_flight: dict[int, Handle] = {}  # launch order
         self.active = False
 
     # -- one reduction --------------------------------------------------------------
@@ -52,10 +92,13 @@ class GradReducer:
         self.accumulate = accumulate
         self.pending = list(self.layout.bucket_numel)
         self.arrived = [False] * len(self.layout.numels)
-        self.assigned: dict[int, Tensor] = {}
         self.next_launch = 0
-        self.in_flight: deque[tuple[int, Handle]] = deque()
         self.active = True
+
+    @property
+    def launched(self) -> bool:
+        """Every bucket's collective is launched."""
+        return self.next_launch == len(self.layout.buckets)
 
     def ready(self, i: int, grad: Tensor | None = None) -> None:
         """Param i's gradient is final for this reduction. In copy mode (no
@@ -87,8 +130,9 @@ class GradReducer:
                 for b, n in self.layout.param_buckets[i]:
                     self.pending[b] -= n
         self._launch_ready()
-        while self.in_flight:
-            self._complete_oldest()
+        for index in list(self.in_flight):
+            self.complete(index)
+        self.pool.prune()
         self.active = False
 
     # -- internals ---------------------------------------------------------------------
@@ -103,46 +147,43 @@ class GradReducer:
                 src = (
                     self.flat[b.start : b.start + b.size] if self.flat is not None else self._buffer(b.index)[: b.size]
                 )
-                out = self._scratch_for(b.index)[: b.chunk] if self.accumulate else self.shard[chunk]
+                out = self._scratch(b.index)[: b.chunk] if self.accumulate else self.shard[chunk]
                 handle = self.comm.reduce_scatter(out, src, self.tag)
-            self.in_flight.append((b.index, handle))
+                if self.flat is None:
+                    self.pool.in_flight.append((self, b.index))
+            self.in_flight[b.index] = handle
             self.next_launch += 1
 
-    def _complete_oldest(self) -> None:
-        index, handle = self.in_flight.popleft()
+    def complete(self, index: int) -> None:
+        """Waits for bucket `index`'s collective (if still in flight) and
+        gives its buffer back to the pool."""
+        handle = self.in_flight.pop(index, None)
+        if handle is None:
+            return
         handle.wait()
         if index in self.assigned:
             buf = self.assigned.pop(index)
             if self.accumulate:
                 b = self.layout.buckets[index]
-                self.shard[b.shard_start : b.shard_start + b.chunk].add_(self._scratch_for(index, buf)[: b.chunk])
-            self._free.append(buf)
+                self.shard[b.shard_start : b.shard_start + b.chunk].add_(self._scratch(index, buf)[: b.chunk])
+            self.pool.free.append(buf)
 
     def _buffer(self, index: int) -> Tensor:
         """Bucket `index`'s buffer: a free one, else the oldest in flight once
         it completes, else a new one (the pool settles at what one backward
         needs and is reused from then on)."""
         if index not in self.assigned:
-            if not self._free and self.in_flight:
-                self._complete_oldest()
-            if self._free:
-                buf = self._free.pop()
-            else:
-                buf = torch.empty(max(b.size for b in self.layout.buckets), dtype=self.dtype, device=self.device)
-                self.buffers_allocated += 1
+            buf = self.pool.take(max(b.size for b in self.layout.buckets))
             b = self.layout.buckets[index]
             buf[self.layout.bucket_numel[index] : b.size].zero_()  # padding (params fill buckets from the start)
             self.assigned[index] = buf
         return self.assigned[index]
 
-    def _scratch_for(self, index: int, buf: Tensor | None = None) -> Tensor:
+    def _scratch(self, index: int, buf: Tensor | None = None) -> Tensor:
         """The chunk-sized scratch of bucket `index`'s buffer, where an
         accumulating reduce-scatter lands before it is added to the shard."""
-        key = (buf if buf is not None else self.assigned[index]).data_ptr()
-        if key not in self._scratch:
-            cap = max(b.chunk for b in self.layout.buckets)
-            self._scratch[key] = torch.empty(cap, dtype=self.dtype, device=self.device)
-        return self._scratch[key]
+        buf = buf if buf is not None else self.assigned[index]
+        return self.pool.scratch_for(buf, max(b.chunk for b in self.layout.buckets))
 
     def _zero_param(self, i: int) -> None:
         lo = self.layout.offsets[i]
@@ -153,8 +194,7 @@ class GradReducer:
 
     def buffer_bytes(self) -> int:
         """Bytes of the pooled bucket buffers and their scratch (copy mode)."""
-        tensors = [*self._free, *getattr(self, "assigned", {}).values(), *self._scratch.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.pool.nbytes(list(self.assigned.values()))
 
 
 def gather_params(comm: Comm, layout: FlatLayout, flat: Tensor, tag: str = "param") -> list[Handle]:

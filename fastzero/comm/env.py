@@ -10,6 +10,7 @@ import datetime
 import gc
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -116,4 +117,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
 def _destroy() -> None:
     if dist.is_initialized():
         gc.collect()  # engines left in reference cycles go first: the group dying inside the GC at exit may abort
+        if getattr(sys, "last_type", None) is None:  # a normal exit (after a crash, peers may be mid-collective)
+            try:
+                dist.barrier()  # every rank at teardown together: sockets closing under a busy peer can abort it
+            except Exception:  # noqa: BLE001 - a dead peer: tear down what is left
+                pass
         dist.destroy_process_group()

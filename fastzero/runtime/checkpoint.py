@@ -17,7 +17,6 @@ and pointer intact. Checkpoints live on a file system every rank sees.
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import shutil
@@ -41,17 +40,7 @@ def _rank_file(rank: int) -> str:
 def _owned(engine) -> list[tuple[str, int, int, torch.Tensor, int]]:
     """(param name, lo, hi, optimizer param, offset in it) for every piece of
     a param whose master and optimizer state this rank holds."""
-    out = []
-    for g, opt_group in zip(engine.groups, engine.optimizer.param_groups):
-        opt_params = opt_group["params"]
-        if engine.stage == 0:
-            out += [(g.names[i], 0, p.numel(), opt_params[i], 0) for i, p in enumerate(g.params)]
-            continue
-        starts = [b.shard_start for b in g.layout.buckets]
-        for s in g.segments():
-            b = g.layout.buckets[bisect.bisect_right(starts, s.shard_offset) - 1]
-            out.append((g.names[s.param], s.lo, s.hi, opt_params[b.index], s.shard_offset - b.shard_start))
-    return out
+    return [piece for g, og in zip(engine.groups, engine.optimizer.param_groups) for piece in g.owned(og["params"])]
 
 
 def _state(engine, opt_param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -113,7 +102,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
             "groups": [{"step": int(float(og.get("step", 0))), "names": g.names,
                         "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"}}
                        for g, og in zip(engine.groups, engine.optimizer.param_groups)],
-            "params": {n: list(p.shape) for g in engine.groups for n, p in zip(g.names, g.params)},
+            "params": {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)},
             "files": {_rank_file(r): idx for r, idx in enumerate(indexes)},
         }  # fmt: skip
         text = json.dumps(manifest, indent=1)
@@ -203,12 +192,12 @@ def _pieces(path: Path, manifest: dict, wanted: dict[str, list[tuple[int, int]]]
 def _check_model(manifest: dict, engine, path: Path) -> None:
     saved = manifest["params"]
     for g in engine.groups:
-        for name, p in zip(g.names, g.params):
+        for name, shape in zip(g.names, g.shapes):
             if name not in saved:
                 raise CheckpointError(f"{path}: param {name} of the model is not in the checkpoint (another model?)")
-            if list(p.shape) != saved[name]:
+            if list(shape) != saved[name]:
                 raise CheckpointError(f"{path}: param {name} has shape {tuple(saved[name])} in the checkpoint and "
-                                      f"{tuple(p.shape)} in the model")  # fmt: skip
+                                      f"{tuple(shape)} in the model")  # fmt: skip
     ours = {n for g in engine.groups for n in g.names}
     extra = [n for n in saved if n not in ours]
     if extra:

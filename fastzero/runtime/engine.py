@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
 from fastzero.runtime.optimizer import build_optimizer
 from fastzero.runtime.partition import FlatGroup
+from fastzero.runtime.stage3 import ParamFetcher, Stage3Group
 
 
 def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -> list[dict]:
@@ -62,8 +65,8 @@ class Engine:
         self.config = cfg = config
         self.comm = comm or Comm()
         self.stage = cfg.zero_optimization.stage
-        if self.stage == 3:
-            raise ConfigNotSupported("zero_optimization stage 3 is not in this fastzero version yet; use stage 0-2")
+        if cfg.zero_optimization.offload_param.device != "none":
+            raise ConfigNotSupported("zero_optimization.offload_param is not in this fastzero version yet")
         self.dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         self.device = self.comm.device
         self.module = module.to(device=self.device, dtype=self.dtype)
@@ -76,23 +79,23 @@ class Engine:
             zero.reduce_bucket_size if self.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
         )
         overlap = zero.overlap_comm or self.stage == 0  # DDP-style stage 0 always overlaps
-        self.groups = [
-            FlatGroup(
-                g["params"],
-                [names[id(p)] for p in g["params"]],
-                stage=self.stage,
-                comm=self.comm,
-                bucket_size=bucket,
-                overlap=overlap,
-            )  # fmt: skip
-            for g in groups
-        ]
+        if self.stage == 3:
+            threshold = zero.stage3_param_persistence_threshold
+            self.groups = [Stage3Group(g["params"], [names[id(p)] for p in g["params"]], comm=self.comm,
+                                       persistence_threshold=threshold) for g in groups]  # fmt: skip
+            self.fetcher = ParamFetcher(self.module, self.groups, prefetch_elements=zero.stage3_prefetch_bucket_size,
+                                        max_live=zero.stage3_max_live_parameters,
+                                        max_reuse=zero.stage3_max_reuse_distance)  # fmt: skip
+        else:
+            self.groups = [FlatGroup(g["params"], [names[id(p)] for p in g["params"]], stage=self.stage,
+                                     comm=self.comm, bucket_size=bucket, overlap=overlap) for g in groups]  # fmt: skip
+            self.fetcher = None
         self.optimizer = build_optimizer(cfg, groups, [g.optimizer_params() for g in self.groups], optimizer,
                                          master_weights=self.dtype != torch.float32)  # fmt: skip
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = loss_scaler_from_config(cfg.fp16) if cfg.fp16.enabled else None
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._grad_hook(group, i))
+            p.register_post_accumulate_grad_hook(lambda p, group=group, i=i: group.grad_ready(i, p))
             for group in self.groups
             for i, p in enumerate(group.params)
         ]
@@ -122,20 +125,6 @@ class Engine:
         if self.config.scheduler.type:
             return SCHEDULES[self.config.scheduler.type](self.optimizer, **self.config.scheduler.params)
         return None
-
-    def _grad_hook(self, group: FlatGroup, i: int):
-        if self.stage == 2:
-
-            def hook(p: Tensor) -> None:
-                if group.reducer.active:
-                    group.reducer.ready(i, p.grad)
-                    p.grad = None  # this rank keeps only its shard
-        else:
-
-            def hook(p: Tensor) -> None:
-                group.reducer.ready(i)
-
-        return hook
 
     # -- the training loop ----------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -178,9 +167,36 @@ class Engine:
         )
         args = tuple(cast(a) for a in args)
         kwargs = {k: cast(v) for k, v in kwargs.items()}
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            if self.fetcher is None:
+                raise
+            raise RuntimeError(self._stage3_hint(exc)) from exc
         self.timers["forward"] += time.perf_counter() - start
         return out
+
+    def _stage3_hint(self, exc: Exception) -> str:
+        """Names the partitioned params a failing forward may have used
+        outside their own module's forward (where stage 3 gathers them)."""
+        active = self.fetcher.active[-1] if self.fetcher.active else self.module
+        own = {id(u) for u in self.fetcher.needs.get(active, [])}
+        inside = {id(p) for p in active.parameters()}
+        names = [u.name for u in self.fetcher.unit_of.values()
+                 if id(u.param) in inside and id(u) not in own and not u.gathered]  # fmt: skip
+        where = self.fetcher.names.get(active, "") or "the model"
+        return (
+            f"{exc}\n\nfastzero ZeRO stage 3: this error came from the forward of {where!r}. If it uses a param "
+            f"outside the forward of the module that owns it (released params are empty there), e.g. "
+            f"{', '.join(names[:5]) or 'a param of another module'}, register it with "
+            "engine.register_external_parameter(module, param) so it is gathered for that module."
+        )
+
+    def register_external_parameter(self, module: torch.nn.Module, param: Tensor) -> None:
+        """Stage 3: `module`'s forward uses `param` although another module
+        owns it (a tied weight used directly, say): gather it for `module` too."""
+        if self.fetcher is not None:
+            self.fetcher.register_external(module, param)
 
     def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
         """Backward of `loss` (scaled when fp16); the gradients are reduced in
@@ -193,17 +209,18 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         first = self.micro_steps % self.gradient_accumulation_steps() == 0
         for group in self.groups:
-            group.attach_grads()
-            if self.stage == 2:
-                group.reducer.begin(accumulate=not first)
-            elif boundary:
-                group.reducer.begin()
+            group.begin_backward(first, boundary)
         if self.loss_scaler is not None:
             loss = loss.float() * self.loss_scaler.loss_scale
-        loss.backward(retain_graph=retain_graph)
+        with warnings.catch_warnings():
+            # stage 3's backward pre-hooks fire on the first layer too, whose input needs no grad: expected
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            loss.backward(retain_graph=retain_graph)
         self.timers["backward_end"] = time.perf_counter()
         for group in self.groups:
-            group.reducer.finish()
+            group.end_backward()
+        if self.fetcher is not None:
+            self.fetcher.end_backward()
         self.timers["backward"] += time.perf_counter() - start
 
     def step(self) -> None:
@@ -214,7 +231,7 @@ class Engine:
         if not boundary:
             return
         start = time.perf_counter()
-        if self.stage == 2 and any(p.grad is not None for g in self.groups for p in g.params):
+        if any(g.unreduced() for g in self.groups):
             raise RuntimeError("gradients were not reduced: call engine.backward(loss), not loss.backward()")
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         divisor = scale * self.comm.world_size * self.gradient_accumulation_steps()
@@ -283,14 +300,47 @@ class Engine:
         if offloaded is not None:  # ZeRO-Offload: master and state in CPU memory, not on the device
             out.update({f"offload_{k}": v for k, v in offloaded().items()})
         for g in self.groups:
-            out["params"] += nbytes(g.flat)
-            out["grads"] += nbytes(g.flat_grad if g.flat_grad is not None else g.grad_shard)
-            out["grad_buckets"] += g.reducer.buffer_bytes()
+            for key, value in g.memory().items():
+                out[key] += value
         for state in () if offloaded is not None else self.optimizer.state.values():
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:
                     out["master" if key == "master_param" else "optimizer"] += nbytes(t)
         return out
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every param whole inside the block (stage 3 gathers the partitioned
+        ones and releases them after; other stages hold them whole anyway).
+        DeepSpeed's ``zero.GatheredParameters`` for the whole model."""
+        if self.fetcher is None:
+            yield self.module
+            return
+        self.fetcher.gather_all()
+        try:
+            yield self.module
+        finally:
+            self.fetcher.end_backward()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """The whole model in its training dtype, written by rank 0 (every
+        rank calls it). At stage 3 only with
+        ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed; returns
+        whether it was saved."""
+        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            warnings.warn("save_16bit_model at stage 3 needs zero_optimization."
+                          "stage3_gather_16bit_weights_on_model_save: true; nothing saved", stacklevel=2)  # fmt: skip
+            return False
+        with self.gathered() as module:
+            state = (
+                {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if self.comm.rank == 0 else None
+            )
+        if state is not None:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+        self.comm.barrier()
+        return True
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -14,18 +14,21 @@ its shard of the gradient, the fp32 master and the optimizer state.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch import Tensor
 
 from fastzero.comm.buckets import GradReducer, gather_params
 from fastzero.comm.collectives import Comm
-from fastzero.comm.layout import FlatLayout, Segment
+from fastzero.comm.layout import FlatLayout
 
 
 class FlatGroup:
     def __init__(self, params: list[Tensor], names: list[str], *, stage: int, comm: Comm, bucket_size: int,
                  overlap: bool) -> None:  # fmt: skip
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
+        self.shapes = [p.shape for p in params]
         world, self.rank = (comm.world_size, comm.rank) if stage >= 1 else (1, 0)
         self.layout = FlatLayout([p.numel() for p in params], world, bucket_size)
         first = params[0]
@@ -59,6 +62,37 @@ class FlatGroup:
                     view.copy_(p.grad)
                 p.grad = view
 
+    # -- what the engine calls around backward ---------------------------------------
+    def begin_backward(self, first: bool, boundary: bool) -> None:
+        """Before a micro-batch's backward: stage 2 reduces every micro-batch
+        (accumulating after the first), stages 0-1 only on the boundary."""
+        self.attach_grads()
+        if self.stage == 2:
+            self.reducer.begin(accumulate=not first)
+        elif boundary:
+            self.reducer.begin()
+
+    def grad_ready(self, i: int, p: Tensor) -> None:
+        """Param i's gradient is final for this backward (its post-accumulate-grad hook)."""
+        if self.stage == 2:
+            if self.reducer.active:
+                self.reducer.ready(i, p.grad)
+                p.grad = None  # this rank keeps only its shard
+        else:
+            self.reducer.ready(i)
+
+    def end_backward(self) -> None:
+        self.reducer.finish()
+
+    def unreduced(self) -> bool:
+        """Stage 2: gradients that a plain loss.backward() left on the params."""
+        return self.stage == 2 and any(p.grad is not None for p in self.params)
+
+    def memory(self) -> dict[str, int]:
+        nbytes = lambda t: t.numel() * t.element_size()
+        grads = self.flat_grad if self.flat_grad is not None else self.grad_shard
+        return dict(params=nbytes(self.flat), grads=nbytes(grads), grad_buckets=self.reducer.buffer_bytes())
+
     def optimizer_params(self) -> list[Tensor]:
         """What the optimizer updates, each with its ``.grad`` set: the model's
         params (stage 0) or this rank's chunks of the flat buffer."""
@@ -83,6 +117,14 @@ class FlatGroup:
     def gather(self) -> list:
         return [] if self.stage == 0 else gather_params(self.comm, self.layout, self.flat)
 
-    def segments(self) -> list[Segment]:
-        """The pieces of params whose optimizer state this rank holds."""
-        return self.layout.segments(self.rank)
+    def owned(self, opt_params: list[Tensor]) -> list[tuple[str, int, int, Tensor, int]]:
+        """(param name, lo, hi, optimizer param, offset in it) for every piece
+        of a param whose master and optimizer state this rank holds."""
+        if self.stage == 0:
+            return [(self.names[i], 0, p.numel(), opt_params[i], 0) for i, p in enumerate(self.params)]
+        starts = [b.shard_start for b in self.layout.buckets]
+        out = []
+        for s in self.layout.segments(self.rank):
+            b = self.layout.buckets[bisect.bisect_right(starts, s.shard_offset) - 1]
+            out.append((self.names[s.param], s.lo, s.hi, opt_params[b.index], s.shard_offset - b.shard_start))
+        return out

@@ -5,6 +5,7 @@ the tests compare to `out` + f".rank{rank}.pt"."""
 import json
 import math
 import sys
+import time
 
 import torch
 
@@ -13,8 +14,24 @@ import fastzero
 MICRO = 4
 
 
-def make_model():
+class Branchy(torch.nn.Module):
+    """A forward that takes a data-dependent branch (the same on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b1, self.b2 = torch.nn.Linear(33, 65), torch.nn.Linear(65, 65), torch.nn.Linear(65, 65)
+        self.c, self.norm = torch.nn.Linear(65, 17), torch.nn.LayerNorm(17)
+
+    def forward(self, x, step):
+        h = torch.nn.functional.gelu(self.a(x))
+        h = torch.nn.functional.gelu(self.b1(h) if step % 3 else self.b2(h))
+        return self.norm(self.c(h))
+
+
+def make_model(kind: str = "mlp"):
     torch.manual_seed(0)
+    if kind == "branchy":
+        return Branchy()
     return torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 17),
                                torch.nn.LayerNorm(17))  # fmt: skip
 
@@ -34,6 +51,7 @@ def config(run: dict) -> dict:
                               "reduce_bucket_size": run.get("bucket", 640), "allgather_bucket_size": 100000},
         "steps_per_print": 1000,
     }  # fmt: skip
+    cfg["zero_optimization"].update(run.get("zero", {}))
     if run.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if run.get("dtype") == "bf16":
@@ -44,7 +62,11 @@ def config(run: dict) -> dict:
 
 
 def train(run: dict) -> None:
-    engine, *_ = fastzero.initialize(model=make_model(), config=config(run))
+    model = make_model(run.get("model", "mlp"))
+    engine, *_ = fastzero.initialize(model=model, config=config(run))
+    fetcher = engine.fetcher
+    if fetcher is not None:
+        fetcher.record_timeline = True
     rank, world, gas = engine.comm.rank, engine.comm.world_size, engine.gradient_accumulation_steps()
     scales, losses = [], []
     start = run.get("start", 0)
@@ -55,7 +77,15 @@ def train(run: dict) -> None:
         x, y = global_batch(step, MICRO * gas * world)
         for m in range(gas):
             rows = slice((m * world + rank) * MICRO, (m * world + rank + 1) * MICRO)
-            loss = torch.nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+            args = (x[rows], step) if run.get("model") == "branchy" else (x[rows],)
+            if fetcher is not None and step == run.get("steps", 10) - 1 and m == 0:
+                engine.comm.record.clear()  # the last step's first forward: its all-gathers and module ends
+                fetcher.timeline.clear()
+                forward_start = time.perf_counter()
+            loss = torch.nn.functional.mse_loss(engine(*args).float(), y[rows])
+            if fetcher is not None and step == run.get("steps", 10) - 1 and m == 0:
+                gathers = [(e.launched - forward_start, e.tag) for e in engine.comm.events(op="all_gather")]
+                ends = [(t - forward_start, name) for t, _, name in fetcher.timeline]
             if run.get("inf_at") == [step, rank]:
                 loss = loss * math.inf
             if step == run.get("steps", 10) - 1 and m == gas - 1:
@@ -67,16 +97,23 @@ def train(run: dict) -> None:
         if run.get("save_at") == step + 1:
             engine.save_checkpoint(run["save"], client_state={"step": step + 1})
     backward_end = engine.timers["backward_end"]
+    with engine.gathered() as module:
+        params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
     torch.save(
         dict(
-            params={n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+            params=params,
             memory=engine.memory_breakdown(),
             layouts=[
-                (g.layout.numel, g.layout.total, g.layout.shard_size, len(g.layout.buckets)) for g in engine.groups
-            ],
+                (g.layout.numel, g.layout.total, g.layout.shard_size, len(g.layout.buckets))
+                for g in engine.groups
+                if hasattr(g, "layout")
+            ],  # fmt: skip
             grad_launches=[e.launched - backward_end for e in engine.comm.events(tag="grad")],
             grad_ops=sorted({e.op for e in engine.comm.events(tag="grad")}),
             scales=scales,
+            stage3=None
+            if fetcher is None
+            else dict(peak_live=fetcher.peak_live, retraced=fetcher.retraced, gathers=gathers, ends=ends),
             skipped=engine.skipped_steps,
             losses=losses,
         ),

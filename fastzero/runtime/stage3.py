@@ -1,0 +1,310 @@
+"""ZeRO stage 3: parameters partitioned too.
+
+Each trainable param is a :class:`Unit`: this rank keeps one chunk of it (a
+view of its group's contiguous shard buffer), and the whole param exists only
+while a module that uses it runs: :class:`ParamFetcher`'s module hooks
+all-gather a module's params before its forward (and again before its
+backward), asynchronously and all in flight together, and release them
+after. Params smaller than ``stage3_param_persistence_threshold`` stay whole.
+
+After the first micro-batch has recorded the order in which units are
+needed, the fetcher prefetches the next ones while the current module
+computes (up to ``stage3_prefetch_bucket_size`` elements in flight and
+``stage3_max_live_parameters`` gathered), and keeps a released unit that is
+needed again within ``stage3_max_reuse_distance`` elements. When the order
+changes (another code path), it stops prefetching and records again.
+
+Gradients are reduce-scattered into each unit's chunk of the gradient shard
+as backward produces them (the stage 2 reducer, one per param, sharing one
+buffer pool); the param is released as soon as its gradient is out.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from fastzero.comm.buckets import BufferPool, GradReducer
+from fastzero.comm.collectives import Comm
+from fastzero.comm.layout import FlatLayout
+
+WHOLE = 1 << 62  # one bucket per param
+
+
+def released_like(p: Tensor) -> Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+class Unit:
+    """One param, partitioned: `shard` is this rank's chunk, `full` the
+    gathered param (None while released)."""
+
+    def __init__(self, param: Tensor, name: str, shape: torch.Size, comm: Comm, shard: Tensor, grad_shard: Tensor,
+                 pool: BufferPool, persistent: bool) -> None:  # fmt: skip
+        self.param, self.name, self.shape, self.comm = param, name, shape, comm
+        self.layout = FlatLayout([shape.numel()], comm.world_size, WHOLE)
+        self.numel = self.layout.total  # elements while gathered (padded)
+        self.shard, self.grad_shard, self.persistent = shard, grad_shard, persistent
+        self.reducer = GradReducer(comm, self.layout, "reduce_scatter", shard=grad_shard, pool=pool)
+        self.full: Tensor | None = None
+        self.handle = None
+        self.refs = 0  # forwards running that use it
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None
+
+    def start_gather(self) -> None:
+        if self.full is None:
+            self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
+            self.handle = self.comm.all_gather(self.full, self.shard, f"param:{self.name}")
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            self.param.data = self.full[: self.shape.numel()].view(self.shape)
+
+    def release(self) -> None:
+        if self.full is not None and not self.persistent:
+            self.wait()  # never drop a buffer a collective still writes
+            self.param.data = released_like(self.param)
+            self.full = None
+
+
+class Stage3Group:
+    """One param group at stage 3: its units, their shard and gradient
+    shard buffers, and what the optimizer updates (each unit's chunk)."""
+
+    def __init__(self, params: list[Tensor], names: list[str], *, comm: Comm, persistence_threshold: int) -> None:
+        self.params, self.names, self.comm, self.stage = params, names, comm, 3
+        self.shapes = [getattr(p, "_fz_shape", p.shape) for p in params]
+        self.dtype, self.device = params[0].dtype, params[0].device
+        layouts = [FlatLayout([s.numel()], comm.world_size, WHOLE) for s in self.shapes]
+        sizes = [lay.shard_size for lay in layouts]
+        self.shard = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
+        self.grad_shard = torch.zeros_like(self.shard)
+        self.pool = BufferPool(self.dtype, self.device)
+        self.units: list[Unit] = []
+        offset = 0
+        for p, name, shape, lay, size in zip(params, names, self.shapes, layouts, sizes):
+            unit = Unit(p, name, shape, comm, self.shard[offset : offset + size],
+                        self.grad_shard[offset : offset + size], self.pool,
+                        persistent=shape.numel() < persistence_threshold)  # fmt: skip
+            offset += size
+            self._partition(unit, lay)
+            self.units.append(unit)
+        self.on_released = None  # set by the fetcher: a unit's gradient is out
+
+    def _partition(self, unit: Unit, lay: FlatLayout) -> None:
+        p = unit.param
+        pre = getattr(p, "_fz_shard", None)  # partitioned at construction by fastzero.zero.Init
+        if pre is not None:
+            unit.shard.copy_(pre)
+            del p._fz_shard
+        else:
+            lo, hi = lay.buckets[0].owned(self.comm.rank)
+            flat = p.detach().reshape(-1)
+            n = max(0, min(hi, flat.numel()) - lo)
+            unit.shard[:n].copy_(flat[lo : lo + n])
+            unit.shard[n:].zero_()
+        if unit.persistent:
+            unit.start_gather()
+            unit.wait()
+        else:
+            p.data = released_like(p)
+
+    # -- the engine's interface (as FlatGroup's) --------------------------------------
+    def optimizer_params(self) -> list[Tensor]:
+        for u in self.units:
+            u.shard.grad = u.grad_shard
+        return [u.shard for u in self.units]
+
+    def begin_backward(self, first: bool, boundary: bool) -> None:
+        for u in self.units:
+            u.reducer.begin(accumulate=not first)
+
+    def grad_ready(self, i: int, p: Tensor) -> None:
+        unit = self.units[i]
+        if unit.reducer.active:
+            unit.reducer.ready(0, p.grad)
+            p.grad = None
+            if unit.reducer.launched and self.on_released is not None:
+                self.on_released(unit)
+
+    def end_backward(self) -> None:
+        for u in self.units:
+            u.reducer.finish()
+
+    def unreduced(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def grads(self) -> Tensor:
+        return self.grad_shard
+
+    def zero_grads(self) -> None:
+        pass  # the first micro-batch's reduce-scatter overwrites the shard
+
+    def gather(self) -> list:
+        """After the step: persistent params are refreshed from every rank's
+        chunk; the others are gathered when next used."""
+        return [self.comm.all_gather(u.full, u.shard, f"param:{u.name}") for u in self.units if u.persistent]
+
+    def owned(self, opt_params: list[Tensor]) -> list[tuple[str, int, int, Tensor, int]]:
+        return [(u.name, s.lo, s.hi, opt, s.shard_offset) for u, opt in zip(self.units, opt_params)
+                for s in u.layout.segments(self.comm.rank)]  # fmt: skip
+
+    def memory(self) -> dict[str, int]:
+        nbytes = lambda t: t.numel() * t.element_size()
+        held = sum(nbytes(u.full) for u in self.units if u.full is not None)
+        return dict(params=nbytes(self.shard) + held, grads=nbytes(self.grad_shard), grad_buckets=self.pool.nbytes())
+
+
+class ParamFetcher:
+    """Module hooks that gather each module's params before it runs and
+    release them after, with the recorded order's prefetch."""
+
+    def __init__(self, module: torch.nn.Module, groups: list[Stage3Group], *, prefetch_elements: int,
+                 max_live: int, max_reuse: int) -> None:  # fmt: skip
+        self.prefetch_elements, self.max_live, self.max_reuse = prefetch_elements, max_live, max_reuse
+        self.unit_of = {id(u.param): u for g in groups for u in g.units}
+        for g in groups:
+            g.on_released = self._released
+        self.needs: dict[torch.nn.Module, list[Unit]] = {}
+        self.names = {m: n for n, m in module.named_modules()}
+        self.handles = []
+        for m in module.modules():
+            direct = [self.unit_of.get(id(p)) for p in m._parameters.values() if p is not None]
+            units = list({id(u): u for u in direct if u is not None and not u.persistent}.values())
+            if units:
+                self._hook(m, units)
+        self.trace: list[Unit] | None = None  # the units in the order one micro-batch needed them
+        self.recording: list[Unit] | None = []  # None: this micro-batch's order is not recorded
+        self.cursor = 0
+        self.retraced = 0  # how often the order changed
+        self.live = self.peak_live = 0  # elements of gathered (or in-flight) non-persistent params
+        self.active: list[torch.nn.Module] = []
+        self.timeline: list[tuple[float, str, str]] = []  # (time, "forward_end", module name), for tests
+        self.record_timeline = False
+
+    def _hook(self, m: torch.nn.Module, units: list[Unit]) -> None:
+        if m in self.needs:
+            self.needs[m] = list({id(u): u for u in self.needs[m] + units}.values())
+            return
+        self.needs[m] = units
+        self.handles += [
+            m.register_forward_pre_hook(lambda mod, _args: self._before(mod, forward=True)),
+            m.register_forward_hook(lambda mod, _args, _out: self._after_forward(mod)),
+            m.register_full_backward_pre_hook(lambda mod, _grad: self._before(mod, forward=False)),
+        ]
+
+    def register_external(self, module: torch.nn.Module, param: Tensor) -> None:
+        unit = self.unit_of.get(id(param))
+        if unit is None:
+            raise ValueError("register_external_parameter: the param is not one the engine partitions")
+        if not unit.persistent:
+            self._hook(module, [unit])
+
+    # -- gathering --------------------------------------------------------------------
+    def _need(self, unit: Unit) -> None:
+        """Follows (or records) the order, then prefetches what comes next."""
+        if self.trace is None:
+            if self.recording is not None:
+                self.recording.append(unit)
+            return
+        if self.cursor < len(self.trace) and self.trace[self.cursor] is unit:
+            self.cursor += 1
+            self._prefetch()
+        else:  # another code path: stop prefetching; the next micro-batch records afresh
+            self.trace = self.recording = None
+            self.retraced += 1
+
+    def _prefetch(self) -> None:
+        budget = self.prefetch_elements
+        for u in self.trace[self.cursor :]:
+            if budget <= 0:
+                break
+            if u.gathered:
+                continue
+            if self.live + u.numel > self.max_live:
+                break
+            u.start_gather()
+            self._count(u.numel)
+            budget -= u.numel
+
+    def _count(self, delta: int) -> None:
+        self.live += delta
+        self.peak_live = max(self.peak_live, self.live)
+
+    def _fetch(self, units: list[Unit]) -> None:
+        for u in units:
+            self._need(u)
+        for u in units:
+            if not u.gathered:
+                self._make_room(u.numel)
+                u.start_gather()
+                self._count(u.numel)
+        for u in units:
+            u.wait()
+
+    def _make_room(self, numel: int) -> None:
+        """Over the live limit: release kept units that no forward uses."""
+        for u in {id(u): u for g in self.needs.values() for u in g}.values():
+            if self.live + numel <= self.max_live:
+                return
+            if u.gathered and u.refs == 0 and u.handle is None and all(u not in self.needs[m] for m in self.active):
+                self._release(u)
+
+    def _release(self, u: Unit) -> None:
+        if u.gathered:
+            u.release()
+            self._count(-u.numel)
+
+    def _reused_soon(self, u: Unit) -> bool:
+        if self.trace is None:
+            return False
+        distance = 0
+        for v in self.trace[self.cursor :]:
+            if v is u:
+                return distance < self.max_reuse and self.live <= self.max_live
+            distance += v.numel
+        return False
+
+    # -- hooks ------------------------------------------------------------------------
+    def _before(self, m: torch.nn.Module, forward: bool) -> None:
+        units = self.needs[m]
+        self._fetch(units)
+        if forward:
+            self.active.append(m)
+            for u in units:
+                u.refs += 1
+
+    def _after_forward(self, m: torch.nn.Module) -> None:
+        self.active.remove(m)
+        for u in self.needs[m]:
+            u.refs -= 1
+            if u.refs == 0 and not self._reused_soon(u):
+                self._release(u)
+        if self.record_timeline:
+            self.timeline.append((time.perf_counter(), "forward_end", self.names.get(m, "")))
+
+    def _released(self, u: Unit) -> None:
+        if u.refs == 0:
+            self._release(u)
+
+    def end_backward(self) -> None:
+        """After a micro-batch: everything non-persistent is released (the
+        step changes the shards); the recorded order becomes the trace."""
+        for u in self.unit_of.values():
+            self._release(u)
+        if self.trace is None:  # a whole micro-batch recorded becomes the trace; else record the next
+            self.trace = self.recording or None
+            self.recording = [] if self.trace is None else None
+        self.cursor = 0
+        self.active.clear()
+
+    def gather_all(self) -> None:
+        """Every param whole (for saving the 16-bit model); release with end_backward()."""
+        self._fetch([u for u in self.unit_of.values() if not u.persistent])
