@@ -373,6 +373,11 @@ def _check_combinations(cfg: Config) -> None:
         )
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(f"zero_optimization.offload_param needs stage 3 (stage is {zero.stage})")
+    if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
+        raise ConfigError(
+            "zero_optimization.offload_param needs offload_optimizer.device 'cpu' too: the offloaded param shards are "
+            "what the CPU step updates"
+        )
     if cfg.optimizer.type == "Lamb" and zero.stage >= 1:
         raise ConfigNotSupported(
             f"optimizer.type 'Lamb' with zero_optimization.stage {zero.stage}: its trust ratio needs each param whole, "

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import fastzero
+import fastzero.zero
 from fastzero.checkpoint import consolidate
+from fastzero.config import ConfigError
 from tests.test_engine_single import batches, cfg
 from tests.test_zero_engine import assert_params, assert_tracks, reference, train
 from tests.workers.train_zero import MICRO, global_batch, make_model
@@ -35,7 +37,9 @@ def branchy_reference(world, steps=10, gas=2, lr=1e-2, clip=0.5):
 
 def test_stage3_matches_torch_adamw_with_and_without_prefetch(tmp_path):
     runs = [dict(stage=3, zero=NO_PREFETCH), dict(stage=3, zero=PREFETCH), dict(stage=3, zero=PREFETCH, dtype="bf16"),
-            dict(stage=3, zero=PREFETCH, offload=True)]  # fmt: skip
+            dict(stage=3, zero=PREFETCH, offload=True), dict(stage=3, zero=PREFETCH, offload=True, offload_param=True),
+            dict(stage=3, zero=PREFETCH, init=True), dict(stage=3, zero=NO_PREFETCH, init=True, offload=True,
+                                                          offload_param=True, dtype="bf16")]  # fmt: skip
     results = train(tmp_path, 2, runs)
     want, init = reference(2), {n: p.detach() for n, p in make_model().named_parameters()}
     for run, ranks in zip(runs, results):
@@ -44,6 +48,11 @@ def test_stage3_matches_torch_adamw_with_and_without_prefetch(tmp_path):
                 assert_tracks(res["params"], want, init, 0.1)
             else:
                 assert_params(res["params"], want)
+            mem = res["memory"]
+            if run.get("offload"):  # nothing of the optimizer on the device
+                assert mem["master"] == mem["optimizer"] == 0 and mem["offload_optimizer"] > 0, mem
+            if run.get("offload_param"):  # between steps, no param bytes on the device but the persistent ones
+                assert mem["offload_params"] > 0 and mem["params"] < mem["offload_params"], mem
         assert ranks[0]["grad_ops"] == ["reduce_scatter"]
 
 
@@ -163,3 +172,14 @@ def test_a_param_used_outside_its_modules_forward_is_named_with_the_fix():
     with engine.gathered() as module:
         for (name, p), q in zip(module.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_init_partitions_at_construction_and_needs_stage3():
+    with fastzero.zero.Init():
+        model = make_model()
+    assert all(p.numel() == 0 and p._fz_shard.numel() >= p._fz_shape.numel() for p in model.parameters())
+    assert torch.nn.Linear(3, 3).weight.numel() == 9  # outside the context, modules are whole again
+    with pytest.raises(
+        ConfigError, match=r"partitioned by fastzero.zero.Init: train them with zero_optimization.stage 3"
+    ):
+        fastzero.initialize(model=model, config=cfg(zero_optimization={"stage": 2}))

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from fastzero.comm import Comm, dist_env, init_distributed
-from fastzero.config import Config, ConfigError, ConfigNotSupported, load_config
+from fastzero.config import Config, ConfigError, load_config
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
@@ -65,8 +65,12 @@ class Engine:
         self.config = cfg = config
         self.comm = comm or Comm()
         self.stage = cfg.zero_optimization.stage
-        if cfg.zero_optimization.offload_param.device != "none":
-            raise ConfigNotSupported("zero_optimization.offload_param is not in this fastzero version yet")
+        partitioned = [n for n, p in module.named_parameters() if hasattr(p, "_fz_shard")]
+        if partitioned and self.stage != 3:
+            raise ConfigError(
+                f"{partitioned[0]} (and {len(partitioned) - 1} more) were partitioned by fastzero.zero.Init: train "
+                f"them with zero_optimization.stage 3 (stage is {self.stage})"
+            )
         self.dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         self.device = self.comm.device
         self.module = module.to(device=self.device, dtype=self.dtype)
@@ -81,8 +85,10 @@ class Engine:
         overlap = zero.overlap_comm or self.stage == 0  # DDP-style stage 0 always overlaps
         if self.stage == 3:
             threshold = zero.stage3_param_persistence_threshold
+            offload = zero.offload_param
             self.groups = [Stage3Group(g["params"], [names[id(p)] for p in g["params"]], comm=self.comm,
-                                       persistence_threshold=threshold) for g in groups]  # fmt: skip
+                                       persistence_threshold=threshold, offload=offload.device == "cpu",
+                                       pin_memory=offload.pin_memory) for g in groups]  # fmt: skip
             self.fetcher = ParamFetcher(self.module, self.groups, prefetch_elements=zero.stage3_prefetch_bucket_size,
                                         max_live=zero.stage3_max_live_parameters,
                                         max_reuse=zero.stage3_max_reuse_distance)  # fmt: skip
@@ -292,7 +298,10 @@ class Engine:
         are their own masters) and ``optimizer`` (exp_avg, exp_avg_sq). With
         ZeRO-Offload those two are 0 and ``offload_master``,
         ``offload_optimizer`` and ``offload_staging`` (the pipelined step's
-        CPU buffers) are in CPU memory. The values add up to the rank's
+        CPU buffers) are in CPU memory, as ``offload_params`` (stage 3's
+        param shards with ``offload_param``). At stage 3 ``params`` is the
+        shards plus the params gathered now (the persistent ones between
+        steps). The values add up to the rank's
         model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
@@ -301,7 +310,7 @@ class Engine:
             out.update({f"offload_{k}": v for k, v in offloaded().items()})
         for g in self.groups:
             for key, value in g.memory().items():
-                out[key] += value
+                out[key] = out.get(key, 0) + value
         for state in () if offloaded is not None else self.optimizer.state.values():
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:

@@ -75,7 +75,7 @@ class OffloadedAdam(CPUAdam):
             cpu_groups.append({**g, "params": masters})
         super().__init__(cpu_groups, **kwargs)
         first = next(iter(self.device_of.values()))
-        self.transfers = Transfers(first.device)
+        self.transfers = Transfers(first.grad.device if first.grad is not None else first.device)
         self.dtype = first.dtype
         # staging on the CPU: the grads that come in, and (low precision) the param copy the kernel writes
         self.grad_in = {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}

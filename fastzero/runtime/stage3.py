@@ -44,6 +44,7 @@ class Unit:
     def __init__(self, param: Tensor, name: str, shape: torch.Size, comm: Comm, shard: Tensor, grad_shard: Tensor,
                  pool: BufferPool, persistent: bool) -> None:  # fmt: skip
         self.param, self.name, self.shape, self.comm = param, name, shape, comm
+        self.device = grad_shard.device  # where the whole param lives (the shard may be offloaded to the CPU)
         self.layout = FlatLayout([shape.numel()], comm.world_size, WHOLE)
         self.numel = self.layout.total  # elements while gathered (padded)
         self.shard, self.grad_shard, self.persistent = shard, grad_shard, persistent
@@ -58,8 +59,14 @@ class Unit:
 
     def start_gather(self) -> None:
         if self.full is None:
-            self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
-            self.handle = self.comm.all_gather(self.full, self.shard, f"param:{self.name}")
+            self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.device)
+            self.handle = self.refresh()
+
+    def refresh(self):
+        """All-gathers every rank's chunk into `full` (an offloaded chunk
+        travels to the device first)."""
+        src = self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
+        return self.comm.all_gather(self.full, src, f"param:{self.name}")
 
     def wait(self) -> None:
         if self.handle is not None:
@@ -78,14 +85,18 @@ class Stage3Group:
     """One param group at stage 3: its units, their shard and gradient
     shard buffers, and what the optimizer updates (each unit's chunk)."""
 
-    def __init__(self, params: list[Tensor], names: list[str], *, comm: Comm, persistence_threshold: int) -> None:
+    def __init__(self, params: list[Tensor], names: list[str], *, comm: Comm, persistence_threshold: int,
+                 offload: bool = False, pin_memory: bool = False) -> None:  # fmt: skip
         self.params, self.names, self.comm, self.stage = params, names, comm, 3
         self.shapes = [getattr(p, "_fz_shape", p.shape) for p in params]
         self.dtype, self.device = params[0].dtype, params[0].device
         layouts = [FlatLayout([s.numel()], comm.world_size, WHOLE) for s in self.shapes]
         sizes = [lay.shard_size for lay in layouts]
-        self.shard = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
-        self.grad_shard = torch.zeros_like(self.shard)
+        # offload_param: the shards live in CPU memory between uses
+        self.offload = offload
+        pin = offload and pin_memory and torch.cuda.is_available()
+        self.shard = torch.zeros(sum(sizes), dtype=self.dtype, device="cpu" if offload else self.device, pin_memory=pin)
+        self.grad_shard = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
         self.pool = BufferPool(self.dtype, self.device)
         self.units: list[Unit] = []
         offset = 0
@@ -150,7 +161,7 @@ class Stage3Group:
     def gather(self) -> list:
         """After the step: persistent params are refreshed from every rank's
         chunk; the others are gathered when next used."""
-        return [self.comm.all_gather(u.full, u.shard, f"param:{u.name}") for u in self.units if u.persistent]
+        return [u.refresh() for u in self.units if u.persistent]
 
     def owned(self, opt_params: list[Tensor]) -> list[tuple[str, int, int, Tensor, int]]:
         return [(u.name, s.lo, s.hi, opt, s.shard_offset) for u, opt in zip(self.units, opt_params)
@@ -159,7 +170,12 @@ class Stage3Group:
     def memory(self) -> dict[str, int]:
         nbytes = lambda t: t.numel() * t.element_size()
         held = sum(nbytes(u.full) for u in self.units if u.full is not None)
-        return dict(params=nbytes(self.shard) + held, grads=nbytes(self.grad_shard), grad_buckets=self.pool.nbytes())
+        out = dict(params=held, grads=nbytes(self.grad_shard), grad_buckets=self.pool.nbytes())
+        if self.offload:
+            out["offload_params"] = nbytes(self.shard)
+        else:
+            out["params"] += nbytes(self.shard)
+        return out
 
 
 class ParamFetcher:
@@ -176,7 +192,9 @@ class ParamFetcher:
         self.names = {m: n for n, m in module.named_modules()}
         self.handles = []
         for m in module.modules():
-            direct = [self.unit_of.get(id(p)) for p in m._parameters.values() if p is not None]
+            m.__dict__["_fz_fetcher"] = self  # for fastzero.zero.register_external_parameter after initialize
+            used = [*m._parameters.values(), *m.__dict__.get("_fz_external", [])]
+            direct = [self.unit_of.get(id(p)) for p in used if p is not None]
             units = list({id(u): u for u in direct if u is not None and not u.persistent}.values())
             if units:
                 self._hook(m, units)

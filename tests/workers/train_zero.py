@@ -10,6 +10,7 @@ import time
 import torch
 
 import fastzero
+import fastzero.zero
 
 MICRO = 4
 
@@ -54,6 +55,8 @@ def config(run: dict) -> dict:
     cfg["zero_optimization"].update(run.get("zero", {}))
     if run.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if run.get("offload_param"):
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if run.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     if run.get("dtype") == "fp16":
@@ -62,7 +65,12 @@ def config(run: dict) -> dict:
 
 
 def train(run: dict) -> None:
-    model = make_model(run.get("model", "mlp"))
+    if run.get("init"):  # partitioned as it is built
+        with fastzero.zero.Init():
+            model = make_model(run.get("model", "mlp"))
+        assert all(p.numel() == 0 and hasattr(p, "_fz_shard") for p in model.parameters())
+    else:
+        model = make_model(run.get("model", "mlp"))
     engine, *_ = fastzero.initialize(model=model, config=config(run))
     fetcher = engine.fetcher
     if fetcher is not None:

@@ -1,0 +1,128 @@
+"""ZeRO stage 3 helpers with DeepSpeed's names.
+
+``Init()`` partitions each parameter as its module is constructed, so a model
+too big for one rank is never whole on one: inside the context, when a
+module's ``__init__`` returns, its parameters are broadcast from rank 0 (so
+every rank starts from the same weights) and each rank keeps only its chunk;
+``fastzero.initialize`` with stage 3 then takes the chunks as they are.
+
+``register_external_parameter(module, param)`` tells stage 3 that
+``module``'s forward uses ``param`` although another module owns it (a tied
+weight used directly), so it is gathered for ``module`` too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from fastzero.comm.layout import FlatLayout
+from fastzero.runtime.stage3 import WHOLE, released_like
+
+
+def _all_module_classes(root: type = torch.nn.Module) -> list[type]:
+    out, todo = [], [root]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo += cls.__subclasses__()
+    return out
+
+
+def partition_param(p: torch.Tensor, world_size: int, rank: int) -> None:
+    """Keeps this rank's chunk of `p` (the stage-3 layout: one padded flat
+    split in `world_size` equal chunks) and empties `p`."""
+    lay = FlatLayout([p.numel()], world_size, WHOLE)
+    lo, hi = lay.buckets[0].owned(rank)
+    flat = p.detach().reshape(-1)
+    shard = torch.zeros(hi - lo, dtype=p.dtype, device=p.device)
+    n = max(0, min(hi, flat.numel()) - lo)
+    shard[:n] = flat[lo : lo + n]
+    p._fz_shard, p._fz_shape = shard, p.shape
+    p.data = released_like(p)
+
+
+class Init:
+    """``with fastzero.zero.Init(): model = MyModel()`` (DeepSpeed's
+    ``deepspeed.zero.Init``; its other arguments are accepted and ignored).
+    Joins the process group from the environment first if needed."""
+
+    def __init__(self, module=None, data_parallel_group=None, config_dict_or_path=None, config=None,
+                 enabled: bool = True, dtype=None, **_ignored) -> None:  # fmt: skip
+        self.enabled = enabled
+        self.group = data_parallel_group
+        self._patched: list[tuple[type, object]] = []
+        self._depth: dict[int, int] = {}
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        if not dist.is_initialized():
+            from fastzero.comm.env import dist_env, init_distributed
+
+            if dist_env().world_size > 1:
+                init_distributed()
+        self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        for cls in _all_module_classes():
+            if "__init__" in cls.__dict__:
+                self._wrap(cls)
+        init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+        self._patched.append((torch.nn.Module, ("__init_subclass__", init_subclass)))
+        ctx = self
+
+        def __init_subclass__(cls, **kwargs):  # classes defined inside the context are partitioned too
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            if "__init__" in cls.__dict__:
+                ctx._wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        return self
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__["__init__"]
+        ctx = self
+
+        @functools.wraps(original)
+        def __init__(module, *args, **kwargs):
+            key = id(module)
+            ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                ctx._depth[key] -= 1
+            if ctx._depth[key] == 0:  # the outermost __init__ of this object: its params are final
+                del ctx._depth[key]
+                ctx._partition(module)
+
+        cls.__init__ = __init__
+        self._patched.append((cls, ("__init__", original)))
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        for p in module._parameters.values():
+            if p is None or hasattr(p, "_fz_shard"):
+                continue
+            if self.world > 1:
+                dist.broadcast(p.data, 0, group=self.group)
+            partition_param(p, self.world, self.rank)
+
+    def __exit__(self, *exc) -> None:
+        for cls, (name, original) in reversed(self._patched):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._patched.clear()
+
+
+def register_external_parameter(module: torch.nn.Module, param: torch.Tensor) -> None:
+    """Before or after ``fastzero.initialize``: gather `param` for `module`'s
+    forward too (stage 3)."""
+    external = module.__dict__.setdefault("_fz_external", [])
+    if all(p is not param for p in external):
+        external.append(param)
+    fetcher = getattr(module, "_fz_fetcher", None)
+    if fetcher is not None:
+        fetcher.register_external(module, param)
