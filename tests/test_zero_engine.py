@@ -82,7 +82,7 @@ def test_bf16_and_fp16_track_fp32(tmp_path):
         assert ranks[0]["skipped"] == 0, run
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_an_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(tmp_path, stage):
     (ranks,) = train(tmp_path, 2, [dict(stage=stage, dtype="fp16", inf_at=[3, 1], steps=6)])
     for res in ranks:
