@@ -1,0 +1,301 @@
+"""Block-sparse attention with DeepSpeed's layouts: ``SparseAttention`` (an
+``nn.Module`` with DeepSpeed's ``SparseSelfAttention`` signature) and the
+functional :func:`sparse_attention`.
+
+On CUDA tensors it runs the Triton block-sparse flash attention
+(``fastzero.triton_kernels.sparse_attention``: forward and backward, only the
+kept blocks, never a seq x seq matrix). Without CUDA it computes the same
+function in plain PyTorch: dense masked attention for short sequences, a
+loop over query blocks that gathers only the kept key blocks beyond (memory
+O(seq) for a bounded number of kept blocks per row). The math's source of
+truth is :func:`dense_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+DENSE_CPU_MAX_SEQ = 1024  # the CPU path's dense form up to here; blocked beyond
+
+
+def expand_layout(layout: Tensor, block: int, causal: bool) -> Tensor:
+    """The element mask [heads, seq, seq] (bool) a block layout keeps."""
+    mask = layout.to(torch.bool).repeat_interleave(block, 1).repeat_interleave(block, 2)
+    if causal:
+        mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    return mask
+
+
+def _softmax_rows(scores: Tensor) -> Tensor:
+    """Softmax over the last dim; rows with nothing kept give zeros, not NaN."""
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(scores - top)
+    total = p.sum(-1, keepdim=True)
+    return p / torch.where(total == 0, torch.ones_like(total), total)
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float,
+                    additive: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The reference: softmax(q k^T * scale + additive, masked to `keep`) v,
+    in q's dtype (tests pass fp64). `keep` broadcasts to [B, H, S, S]
+    (None: everything); `additive` too."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if additive is not None:
+        scores = scores + additive.to(scores.dtype)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.matmul(_softmax_rows(scores), v)
+
+
+def _additive(batch: int, seq: int, kpm: Tensor | None, am: Tensor | None, device, dtype) -> Tensor | None:
+    """key padding [B, S] and attention mask/rpe [S, S] or [H, S, S] as one
+    additive term broadcasting to [B, H, S, S]."""
+    out = None
+    if kpm is not None:
+        out = kpm.to(dtype)[:, None, None, :]
+    if am is not None:
+        term = am.to(dtype)
+        term = term[None] if term.dim() == 3 else term[None, None]
+        out = term if out is None else out + term
+    return out
+
+
+def _blocked_attention(q, k, v, layout, block, scale, causal, kpm, am) -> Tensor:
+    """The CPU path beyond DENSE_CPU_MAX_SEQ: per query block, only the kept
+    key blocks (padded to the row's largest count across heads and masked)."""
+    batch, heads, seq, dim = q.shape
+    nb = seq // block
+    lay = layout.to(torch.bool)
+    outs = []
+    offs = torch.arange(block, device=q.device)
+    for i in range(nb):
+        kept = lay[:, i, :]  # [H, nb]
+        count = int(kept.sum(-1).max())
+        if count == 0:
+            outs.append(torch.zeros(batch, heads, block, dim, dtype=q.dtype, device=q.device))
+            continue
+        # per head, the kept column blocks (padding repeats block 0, masked out below)
+        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, :count]  # [H, count]
+        valid = torch.gather(kept, 1, order)  # [H, count]
+        cols = (order[:, :, None] * block + offs).reshape(heads, count * block)  # [H, count*block]
+        idx = cols[None, :, :, None].expand(batch, heads, count * block, dim)
+        kb, vb = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
+        qb = q[:, :, i * block : (i + 1) * block]
+        scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [B, H, block, count*block]
+        keep = valid.repeat_interleave(block, 1)[None, :, None, :]
+        if causal:
+            keep = keep & (cols[None, :, None, :] <= (i * block + offs)[None, None, :, None])
+        if kpm is not None:
+            keys = kpm.to(scores.dtype)[:, None, :].expand(batch, heads, seq)
+            scores = scores + torch.gather(keys, 2, cols[None].expand(batch, heads, count * block))[:, :, None, :]
+        if am is not None:
+            rows = am[..., i * block : (i + 1) * block, :].to(scores.dtype)
+            rows = rows.expand(heads, block, seq) if rows.dim() == 3 else rows[None].expand(heads, block, seq)
+            scores = scores + torch.gather(rows, 2, cols[:, None, :].expand(heads, block, count * block))[None]
+        scores = scores.masked_fill(~keep, float("-inf"))
+        outs.append(torch.matmul(_softmax_rows(scores), vb))
+    return torch.cat(outs, dim=2)
+
+
+class _TritonSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lists, block, scale, causal, kpm, am):
+        from fastzero.triton_kernels import sparse_attention as kernels
+
+        out, lse = kernels.forward(q, k, v, lists, block, scale, causal, kpm, am)
+        ctx.save_for_backward(q, k, v, out, lse, *lists)
+        ctx.meta = (block, scale, causal, kpm, am)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        from fastzero.triton_kernels import sparse_attention as kernels
+
+        q, k, v, out, lse, *lists = ctx.saved_tensors
+        block, scale, causal, kpm, am = ctx.meta
+        dq, dk, dv = kernels.backward(do, q, k, v, out, lse, tuple(lists), block, scale, causal, kpm, am)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _backend(q: Tensor, force: str | None) -> str:
+    force = force or os.environ.get("FASTZERO_BACKEND") or None
+    if force not in (None, "triton", "reference", "cuda", "cpu"):
+        raise ValueError(f"backend={force!r}: 'triton' or 'reference'")
+    if force == "reference" or force == "cpu":
+        return "reference"
+    if q.is_cuda or force == "triton":
+        from fastzero.ops.backend import triton_status
+
+        ok, why = triton_status(q.device.type)
+        if ok:
+            return "triton"
+        if force == "triton":
+            raise RuntimeError(f"backend 'triton' for SparseAttention: {why}")
+    return "reference"
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int) -> None:
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        raise ValueError(f"query, key, value must be [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    if q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"query, key and value shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"query, key and value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"dtype {q.dtype}: SparseAttention takes fp16, bf16 or fp32 (fp64 on the CPU path)")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"query, key and value are on different devices: {q.device}, {k.device}, {v.device}")
+    heads, seq = q.shape[1], q.shape[2]
+    nb = seq // block
+    if layout.shape != (heads, nb, nb):
+        raise ValueError(f"layout {tuple(layout.shape)} does not fit {heads} heads and seq {seq} in blocks of "
+                         f"{block}: expected ({heads}, {nb}, {nb})")  # fmt: skip
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int, *, causal: bool = False,
+                     softmax_scale: float | None = None, key_padding_mask: Tensor | None = None,
+                     attn_mask: Tensor | None = None, backend: str | None = None) -> Tensor:  # fmt: skip
+    """Block-sparse attention over q, k, v [B, H, S, D] with S a multiple of
+    `block`. Masks are additive: `key_padding_mask` [B, S], `attn_mask`
+    [S, S] or [H, S, S] (relative position terms go there too). `causal`
+    masks the upper triangle inside diagonal blocks."""
+    check_inputs(q, k, v, layout, block)
+    if q.shape[2] % block:
+        raise ValueError(f"seq {q.shape[2]} is not a multiple of the block {block}; SparseAttention pads for you")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    kpm = None if key_padding_mask is None else key_padding_mask.to(torch.float32).contiguous()
+    am = None if attn_mask is None else attn_mask.to(torch.float32).contiguous()
+    if _backend(q, backend) == "triton":
+        from fastzero.triton_kernels import sparse_attention as kernels
+
+        if block not in (16, 32, 64, 128) or q.shape[-1] not in (16, 32, 64, 128):
+            raise ValueError(f"the Triton kernel takes blocks 16-128 and head dims 16-128 (powers of two); "
+                             f"got block {block}, head_dim {q.shape[-1]}")  # fmt: skip
+        lists = kernels.csr(layout.to(q.device))
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return _TritonSparseAttention.apply(q, k, v, lists, block, scale, causal, kpm, am)
+    if q.shape[2] <= DENSE_CPU_MAX_SEQ:
+        keep = expand_layout(layout.to(q.device), block, causal)[None]
+        return dense_attention(q, k, v, keep, scale, _additive(q.shape[0], q.shape[2], kpm, am, q.device, q.dtype))
+    return _blocked_attention(q, k, v, layout.to(q.device), block, scale, causal, kpm, am)
+
+
+def _as_additive(mask: Tensor, mode: str, what: str) -> Tensor:
+    """DeepSpeed's mask modes: 'add' masks are added to the scores, 'mul'
+    masks keep where nonzero (0 becomes -inf)."""
+    if mode == "add":
+        return mask.to(torch.float32)
+    if mode == "mul":
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(mask == 0, float("-inf"))
+    raise ValueError(f"{what}_mode {mode!r}: 'add' or 'mul'")
+
+
+class SparseAttention(torch.nn.Module):
+    """DeepSpeed's ``SparseSelfAttention``: block-sparse attention with the
+    layout of `sparsity_config` (a ``fastzero.ops.sparsity_config`` config).
+
+    ``forward(query, key, value, rpe=None, key_padding_mask=None,
+    attn_mask=None)`` with q, k, v [batch, heads, seq, head_dim]; seq up to
+    `max_seq_length`, padded to a multiple of the block and unpadded for you.
+    `key_padding_mask` [batch, seq] and `attn_mask` [seq, seq] follow their
+    modes ('add': added to the scores; 'mul': 0 masks out); `rpe` [seq, seq]
+    or [heads, seq, seq] is added (no gradient flows to it). The softmax
+    scale is `softmax_scale` (default 1/sqrt(head_dim)).
+    """
+
+    def __init__(self, sparsity_config, key_padding_mask_mode: str = "add", attn_mask_mode: str = "mul",
+                 max_seq_length: int = 2048, softmax_scale: float | None = None,
+                 backend: str | None = None) -> None:  # fmt: skip
+        super().__init__()
+        for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
+            if mode not in ("add", "mul"):
+                raise ValueError(f"{name} {mode!r}: 'add' or 'mul'")
+        self.sparsity_config = sparsity_config
+        self.key_padding_mask_mode, self.attn_mask_mode = key_padding_mask_mode, attn_mask_mode
+        self.max_seq_length = max_seq_length
+        self.softmax_scale, self.backend = softmax_scale, backend
+        block = sparsity_config.block
+        padded = -(-max_seq_length // block) * block
+        # DeepSpeed's way: one master layout at the longest length, sliced for shorter ones
+        self.register_buffer("master_layout", sparsity_config.make_layout(padded), persistent=False)
+
+    @property
+    def causal(self) -> bool:
+        return getattr(self.sparsity_config, "attention", "bidirectional") == "unidirectional"
+
+    def get_layout(self, seq: int) -> Tensor:
+        nb = seq // self.sparsity_config.block
+        return self.master_layout[:, :nb, :nb]
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, rpe: Tensor | None = None,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:  # fmt: skip
+        if query.dim() != 4:
+            raise ValueError(f"query must be [batch, heads, seq, head_dim]; got {tuple(query.shape)}")
+        batch, heads, seq, _ = query.shape
+        if heads != self.sparsity_config.num_heads:
+            raise ValueError(f"query has {heads} heads, the sparsity config {self.sparsity_config.num_heads}")
+        if seq > self.max_seq_length:
+            raise ValueError(f"seq {seq} is longer than max_seq_length {self.max_seq_length}; build SparseAttention "
+                             "with a larger max_seq_length")  # fmt: skip
+        block = self.sparsity_config.block
+        pad = -seq % block
+        kpm = None
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (batch, seq):
+                raise ValueError(f"key_padding_mask {tuple(key_padding_mask.shape)}: expected ({batch}, {seq})")
+            kpm = _as_additive(key_padding_mask, self.key_padding_mask_mode, "key_padding_mask")
+        am = None
+        if attn_mask is not None:
+            if attn_mask.shape[-2:] != (seq, seq):
+                raise ValueError(f"attn_mask {tuple(attn_mask.shape)}: expected ({seq}, {seq})")
+            am = _as_additive(attn_mask, self.attn_mask_mode, "attn_mask")
+        if rpe is not None:
+            if rpe.shape[-2:] != (seq, seq) or rpe.dim() not in (2, 3):
+                raise ValueError(f"rpe {tuple(rpe.shape)}: expected ({seq}, {seq}) or ({heads}, {seq}, {seq})")
+            am = rpe.detach().to(torch.float32) if am is None else am + rpe.detach().to(torch.float32)
+        if pad:  # pad to whole blocks; padded keys are masked out, padded rows dropped
+            query, key, value = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+            kpm = torch.zeros(batch, seq, device=query.device) if kpm is None else kpm
+            kpm = torch.nn.functional.pad(kpm, (0, pad), value=float("-inf"))
+            if am is not None:
+                am = torch.nn.functional.pad(am, (0, pad, 0, pad))
+        layout = self.get_layout(seq + pad)
+        out = sparse_attention(query, key, value, layout, block, causal=self.causal, softmax_scale=self.softmax_scale,
+                               key_padding_mask=kpm, attn_mask=am, backend=self.backend)  # fmt: skip
+        return out[:, :, :seq] if pad else out
+
+
+def pad_to_block_size(block_size: int, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                      inputs_embeds=None, pad_token_id: int = 0, model_embeddings=None):  # fmt: skip
+    """DeepSpeed's ``SparseAttentionUtils.pad_to_block_size``: pads a model's
+    inputs at the end of the sequence to a multiple of `block_size`. Returns
+    (pad_len, input_ids, attention_mask, token_type_ids, position_ids,
+    inputs_embeds); undo with :func:`unpad_sequence_output`."""
+    shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+    pad = -shape[1] % block_size
+    if pad:
+        fill = lambda t, value: None if t is None else torch.nn.functional.pad(t, (0, pad), value=value)  # noqa: E731
+        if input_ids is not None:
+            input_ids = fill(input_ids, pad_token_id)
+        if inputs_embeds is not None:
+            ids = torch.full((shape[0], pad), pad_token_id, dtype=torch.long, device=inputs_embeds.device)
+            if model_embeddings is not None:  # the pad token's embedding, as DeepSpeed
+                extra = model_embeddings(ids)
+            else:
+                extra = inputs_embeds.new_zeros(shape[0], pad, inputs_embeds.shape[-1])
+            inputs_embeds = torch.cat([inputs_embeds, extra], dim=1)
+        attention_mask = fill(attention_mask, 0)  # padded tokens are not attended to
+        token_type_ids = fill(token_type_ids, 0)
+        position_ids = fill(position_ids, pad_token_id)
+    return pad, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+
+
+def unpad_sequence_output(pad_len: int, sequence_output: Tensor) -> Tensor:
+    """Drops the `pad_len` positions :func:`pad_to_block_size` added."""
+    return sequence_output[:, :-pad_len] if pad_len > 0 else sequence_output
