@@ -5,8 +5,8 @@ mask in fp64, forward and gradients; the module's padding, masks and errors."""
 import pytest
 import torch
 
-from fastzero.ops import sparse_attention as sa
-from fastzero.ops.sparse_attention import SparseAttention, dense_attention, expand_layout, sparse_attention
+import fastzero.ops.sparse_attention as sa
+from fastzero.ops.sparse_attention import SparseAttention, block_sparse_attention, dense_attention, expand_layout
 
 
 class LayoutConfig:
@@ -76,7 +76,9 @@ def run(path, q, k, v, lay, block, causal, kpm, am, monkeypatch):
     if path == "cpu-blocked":
         monkeypatch.setattr(sa, "DENSE_CPU_MAX_SEQ", 0)
     backend = "triton" if path == "triton" else "reference"
-    return sparse_attention(q, k, v, lay, block, causal=causal, key_padding_mask=kpm, attn_mask=am, backend=backend)
+    return block_sparse_attention(
+        q, k, v, lay, block, causal=causal, key_padding_mask=kpm, attn_mask=am, backend=backend
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -104,10 +106,10 @@ def test_softmax_scale_and_fully_masked_rows(path, monkeypatch):
     q, k, v = inputs(1, 2, 64, 16)
     lay = random_layout(2, 4, False)
     kpm = torch.full((1, 64), float("-inf"))  # every key padded: every row has nothing to attend
-    out = sparse_attention(q, k, v, lay, 16, key_padding_mask=kpm, backend="triton" if path == "triton" else None)
+    out = block_sparse_attention(q, k, v, lay, 16, key_padding_mask=kpm, backend="triton" if path == "triton" else None)
     assert (out == 0).all()
     out = run(path, q, k, v, lay, 16, False, None, None, monkeypatch)
-    scaled = sparse_attention(q, k, v, lay, 16, softmax_scale=0.5, backend="triton" if path == "triton" else None)
+    scaled = block_sparse_attention(q, k, v, lay, 16, softmax_scale=0.5, backend="triton" if path == "triton" else None)
     ref, _ = reference(q, k, v, lay, 16, False, scale=0.5)
     torch.testing.assert_close(scaled.double(), ref.detach(), rtol=1e-4, atol=2e-5)
     assert not torch.allclose(out, scaled)
@@ -117,7 +119,7 @@ def test_softmax_scale_and_fully_masked_rows(path, monkeypatch):
 def test_low_precision_cpu_path_tracks_fp64(dtype):
     q, k, v = inputs(2, 2, 64, 32, dtype)
     lay = random_layout(2, 4, True)
-    out = sparse_attention(q, k, v, lay, 16, causal=True)
+    out = block_sparse_attention(q, k, v, lay, 16, causal=True)
     ref, _ = reference(q, k, v, lay, 16, True)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref.detach(), rtol=0, atol=3e-2)
@@ -167,9 +169,9 @@ def test_module_errors_name_the_problem():
     with pytest.raises(ValueError, match="key_padding_mask_mode 'sum'"):
         SparseAttention(LayoutConfig(lay, 16), key_padding_mask_mode="sum")
     with pytest.raises(ValueError, match=r"layout \(2, 4, 4\) does not fit 2 heads and seq 32"):
-        sparse_attention(q[:, :, :32], k[:, :, :32], v[:, :, :32], lay, 16)
+        block_sparse_attention(q[:, :, :32], k[:, :, :32], v[:, :, :32], lay, 16)
     with pytest.raises(ValueError, match="head dims 16-128"):
-        sparse_attention(*inputs(1, 2, 64, 24), lay, 16, backend="triton")
+        block_sparse_attention(*inputs(1, 2, 64, 24), lay, 16, backend="triton")
 
 
 def test_pad_to_block_size_and_unpad():
@@ -180,3 +182,22 @@ def test_pad_to_block_size_and_unpad():
     assert types is None and pos is None and embeds is None
     out = torch.randn(2, 8, 3)
     assert torch.equal(sa.unpad_sequence_output(pad, out), out[:, :5])
+
+
+def test_torch_compile_traces_the_module_without_a_graph_break():
+    """The Triton path is a torch.library custom op with a fake and a
+    backward: a compiled model keeps it in one graph."""
+    lay = random_layout(2, 4, True)
+    attn = SparseAttention(LayoutConfig(lay, 16, "unidirectional"), max_seq_length=64, backend="triton")
+    q, k, v = inputs(1, 2, 64, 16)
+    eager = attn(q, k, v)
+    eager.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(t.grad, g)

@@ -7,9 +7,14 @@ from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
 from fastzero.ops.cpu_lamb import cpu_lamb_step
 from fastzero.ops.fused_adam import FusedAdam
 from fastzero.ops.fused_lamb import FusedLamb
-from fastzero.ops.sparse_attention import SparseAttention, pad_to_block_size, sparse_attention, unpad_sequence_output
+from fastzero.ops.sparse_attention import (
+    SparseAttention,
+    block_sparse_attention,
+    pad_to_block_size,
+    unpad_sequence_output,
+)
 
 __all__ = [
     "CPUAdam", "FusedAdam", "FusedLamb", "SparseAttention", "backends", "cpu_adam_step", "cpu_lamb_step",
-    "pad_to_block_size", "reference", "report", "sparse_attention", "unpad_sequence_output",
+    "block_sparse_attention", "pad_to_block_size", "reference", "report", "unpad_sequence_output",
 ]  # fmt: skip

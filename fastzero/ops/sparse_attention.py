@@ -102,24 +102,59 @@ def _blocked_attention(q, k, v, layout, block, scale, causal, kpm, am) -> Tensor
     return torch.cat(outs, dim=2)
 
 
-class _TritonSparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lists, block, scale, causal, kpm, am):
-        from fastzero.triton_kernels import sparse_attention as kernels
+# The Triton path as torch.library custom ops with fake (meta) implementations
+# and a registered backward: torch.compile traces around them without a graph
+# break, and autograd sees one op.
+@torch.library.custom_op("fastzero::block_sparse_attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, row_ptr: Tensor, cols: Tensor, col_ptr: Tensor, rows: Tensor,
+                  block: int, scale: float, causal: bool, kpm: Tensor | None,
+                  am: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    from fastzero.triton_kernels import sparse_attention as kernels
 
-        out, lse = kernels.forward(q, k, v, lists, block, scale, causal, kpm, am)
-        ctx.save_for_backward(q, k, v, out, lse, *lists)
-        ctx.meta = (block, scale, causal, kpm, am)
-        return out
+    return kernels.forward(q, k, v, (row_ptr, cols, col_ptr, rows), block, scale, causal, kpm, am)
 
-    @staticmethod
-    def backward(ctx, do):
-        from fastzero.triton_kernels import sparse_attention as kernels
 
-        q, k, v, out, lse, *lists = ctx.saved_tensors
-        block, scale, causal, kpm, am = ctx.meta
-        dq, dk, dv = kernels.backward(do, q, k, v, out, lse, tuple(lists), block, scale, causal, kpm, am)
-        return dq, dk, dv, None, None, None, None, None, None
+@_attention_op.register_fake
+def _(q, k, v, row_ptr, cols, col_ptr, rows, block, scale, causal, kpm, am):
+    return torch.empty_like(q), q.new_empty(q.shape[0] * q.shape[1], q.shape[2], dtype=torch.float32)
+
+
+@torch.library.custom_op("fastzero::block_sparse_attention_backward", mutates_args=())
+def _attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, row_ptr: Tensor,
+                           cols: Tensor, col_ptr: Tensor, rows: Tensor, block: int, scale: float, causal: bool,
+                           kpm: Tensor | None, am: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    from fastzero.triton_kernels import sparse_attention as kernels
+
+    return kernels.backward(do, q, k, v, out, lse, (row_ptr, cols, col_ptr, rows), block, scale, causal, kpm, am)
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, out, lse, row_ptr, cols, col_ptr, rows, block, scale, causal, kpm, am):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, row_ptr, cols, col_ptr, rows, block, scale, causal, kpm, am = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], row_ptr, cols, col_ptr, rows)
+    ctx.meta = (block, scale, causal, kpm, am)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, out, lse, *lists = ctx.saved_tensors
+    block, scale, causal, kpm, am = ctx.meta
+    dq, dk, dv = _attention_backward_op(do.contiguous(), q, k, v, out, lse, *lists, block, scale, causal, kpm, am)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.compiler.disable
+def _make_lists(layout: Tensor) -> tuple:
+    """Data-dependent (nonzero): made eagerly, once per layout, outside any compiled graph."""
+    from fastzero.triton_kernels import sparse_attention as kernels
+
+    return kernels.csr(layout)
 
 
 def _backend(q: Tensor, force: str | None) -> str:
@@ -158,13 +193,15 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int) ->
                          f"{block}: expected ({heads}, {nb}, {nb})")  # fmt: skip
 
 
-def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int, *, causal: bool = False,
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int, *, causal: bool = False,
                      softmax_scale: float | None = None, key_padding_mask: Tensor | None = None,
-                     attn_mask: Tensor | None = None, backend: str | None = None) -> Tensor:  # fmt: skip
+                     attn_mask: Tensor | None = None, backend: str | None = None,
+                     lists: tuple | None = None) -> Tensor:  # fmt: skip
     """Block-sparse attention over q, k, v [B, H, S, D] with S a multiple of
     `block`. Masks are additive: `key_padding_mask` [B, S], `attn_mask`
     [S, S] or [H, S, S] (relative position terms go there too). `causal`
-    masks the upper triangle inside diagonal blocks."""
+    masks the upper triangle inside diagonal blocks. `lists`: the layout's
+    block lists (``triton_kernels.sparse_attention.csr``), if already made."""
     check_inputs(q, k, v, layout, block)
     if q.shape[2] % block:
         raise ValueError(f"seq {q.shape[2]} is not a multiple of the block {block}; SparseAttention pads for you")
@@ -172,14 +209,12 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int
     kpm = None if key_padding_mask is None else key_padding_mask.to(torch.float32).contiguous()
     am = None if attn_mask is None else attn_mask.to(torch.float32).contiguous()
     if _backend(q, backend) == "triton":
-        from fastzero.triton_kernels import sparse_attention as kernels
-
         if block not in (16, 32, 64, 128) or q.shape[-1] not in (16, 32, 64, 128):
             raise ValueError(f"the Triton kernel takes blocks 16-128 and head dims 16-128 (powers of two); "
                              f"got block {block}, head_dim {q.shape[-1]}")  # fmt: skip
-        lists = kernels.csr(layout.to(q.device))
+        lists = lists if lists is not None else _make_lists(layout.to(q.device))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return _TritonSparseAttention.apply(q, k, v, lists, block, scale, causal, kpm, am)
+        return _attention_op(q, k, v, *lists, block, scale, causal, kpm, am)[0]
     if q.shape[2] <= DENSE_CPU_MAX_SEQ:
         keep = expand_layout(layout.to(q.device), block, causal)[None]
         return dense_attention(q, k, v, keep, scale, _additive(q.shape[0], q.shape[2], kpm, am, q.device, q.dtype))
@@ -224,6 +259,15 @@ class SparseAttention(torch.nn.Module):
         padded = -(-max_seq_length // block) * block
         # DeepSpeed's way: one master layout at the longest length, sliced for shorter ones
         self.register_buffer("master_layout", sparsity_config.make_layout(padded), persistent=False)
+        self._lists: dict[tuple, tuple] = {}  # (seq, device) -> the Triton path's block lists, made once
+
+    def _block_lists(self, seq: int, device: torch.device) -> tuple | None:
+        if device.type != "cuda" and self.backend != "triton":
+            return None
+        key = (seq, str(device))
+        if key not in self._lists:
+            self._lists[key] = _make_lists(self.get_layout(seq).to(device))
+        return self._lists[key]
 
     @property
     def causal(self) -> bool:
@@ -266,8 +310,10 @@ class SparseAttention(torch.nn.Module):
             if am is not None:
                 am = torch.nn.functional.pad(am, (0, pad, 0, pad))
         layout = self.get_layout(seq + pad)
-        out = sparse_attention(query, key, value, layout, block, causal=self.causal, softmax_scale=self.softmax_scale,
-                               key_padding_mask=kpm, attn_mask=am, backend=self.backend)  # fmt: skip
+        lists = self._block_lists(seq + pad, query.device)
+        out = block_sparse_attention(query, key, value, layout, block, causal=self.causal,
+                                     softmax_scale=self.softmax_scale, key_padding_mask=kpm, attn_mask=am,
+                                     backend=self.backend, lists=lists)  # fmt: skip
         return out[:, :, :seq] if pad else out
 
 
