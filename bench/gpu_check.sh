@@ -70,7 +70,7 @@ assert ok, why
 print('CUDA kernels ready')
 "
   step tests_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/
-  step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+  step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sparse_attention.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
 fi

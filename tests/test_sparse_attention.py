@@ -8,6 +8,11 @@ import torch
 import fastzero.ops.sparse_attention as sa
 from fastzero.ops.sparse_attention import SparseAttention, block_sparse_attention, dense_attention, expand_layout
 
+# the Triton path runs on the GPU where there is one, else in the interpreter on CPU tensors
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
 
 class LayoutConfig:
     """A sparsity config with a given layout (the real configs have their own tests)."""
@@ -30,7 +35,9 @@ def random_layout(heads, nb, causal, density=0.5, seed=0):
 
 def reference(q, k, v, layout, block, causal, kpm=None, am=None, scale=None):
     """fp64 dense attention with the layout's element mask, and its grads."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    kpm = None if kpm is None else kpm.cpu()
+    am = None if am is None else am.cpu()
     keep = expand_layout(layout, block, causal)[None]
     add = None
     if kpm is not None:
@@ -43,16 +50,16 @@ def reference(q, k, v, layout, block, causal, kpm=None, am=None, scale=None):
 
 
 def check(out, grads, ref, ref_inputs, dout, atol=2e-5):
-    ref.backward(dout.double())
+    ref.backward(dout.cpu().double())
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
-    torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-4, atol=atol)
+    torch.testing.assert_close(out.cpu().double(), ref.detach(), rtol=1e-4, atol=atol)
     for name, g, r in zip("qkv", grads, ref_inputs):
-        torch.testing.assert_close(g.double(), r.grad, rtol=1e-4, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
+        torch.testing.assert_close(g.cpu().double(), r.grad, rtol=1e-4, atol=atol, msg=lambda m, n=name: f"d{n}: {m}")
 
 
-def inputs(batch, heads, seq, dim, dtype=torch.float32, seed=1):
+def inputs(batch, heads, seq, dim, dtype=torch.float32, seed=1, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, seq, dim, generator=gen).to(dtype).requires_grad_() for _ in range(3)]
+    return [torch.randn(batch, heads, seq, dim, generator=gen).to(device, dtype).requires_grad_() for _ in range(3)]
 
 
 def masks(batch, heads, seq, kind, seed=2):
@@ -90,9 +97,10 @@ def run(path, q, k, v, lay, block, causal, kpm, am, monkeypatch):
 def test_forward_and_gradients_match_dense_attention(path, block, dim, causal, kind, monkeypatch):
     batch, heads, nb = 2, 2, 4
     seq = nb * block
-    q, k, v = inputs(batch, heads, seq, dim)
+    device = TRITON_DEVICE if path == "triton" else "cpu"
+    q, k, v = inputs(batch, heads, seq, dim, device=device)
     lay = random_layout(heads, nb, causal)
-    kpm, am = masks(batch, heads, seq, kind)
+    kpm, am = (None if m is None else m.to(device) for m in masks(batch, heads, seq, kind))
     out = run(path, q, k, v, lay, block, causal, kpm, am, monkeypatch)
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -103,9 +111,9 @@ def test_forward_and_gradients_match_dense_attention(path, block, dim, causal, k
 
 @pytest.mark.parametrize("path", PATHS)
 def test_softmax_scale_and_fully_masked_rows(path, monkeypatch):
-    q, k, v = inputs(1, 2, 64, 16)
+    q, k, v = inputs(1, 2, 64, 16, device=TRITON_DEVICE if path == "triton" else "cpu")
     lay = random_layout(2, 4, False)
-    kpm = torch.full((1, 64), float("-inf"))  # every key padded: every row has nothing to attend
+    kpm = torch.full((1, 64), float("-inf"), device=q.device)  # every key padded: every row has nothing to attend
     out = block_sparse_attention(q, k, v, lay, 16, key_padding_mask=kpm, backend="triton" if path == "triton" else None)
     assert (out == 0).all()
     out = run(path, q, k, v, lay, 16, False, None, None, monkeypatch)
@@ -113,6 +121,29 @@ def test_softmax_scale_and_fully_masked_rows(path, monkeypatch):
     ref, _ = reference(q, k, v, lay, 16, False, scale=0.5)
     torch.testing.assert_close(scaled.double(), ref.detach(), rtol=1e-4, atol=2e-5)
     assert not torch.allclose(out, scaled)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block, dim", [(16, 32), (32, 64), (64, 64), (64, 128), (128, 128), (128, 64)])
+@gpu
+@needs_cuda
+def test_gpu_kernel_in_low_precision_tracks_fp32(dtype, block, dim):
+    batch, heads, seq = 2, 4, 512
+    nb = seq // block
+    q, k, v = inputs(batch, heads, seq, dim, dtype, device="cuda")
+    lay = random_layout(heads, nb, True, density=0.4)
+    kpm, am = (m.cuda() for m in masks(batch, heads, seq, "kpm+am+head"))
+    out = block_sparse_attention(q, k, v, lay, block, causal=True, key_padding_mask=kpm, attn_mask=am)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    keep = expand_layout(lay.cuda(), block, True)[None]
+    ref = dense_attention(q2, k2, v2, keep, dim**-0.5, kpm[:, None, None, :] + am[None])
+    ref.backward(dout.float())
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    for t, r in zip((q, k, v), (q2, k2, v2)):
+        torch.testing.assert_close(t.grad.float(), r.grad, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
