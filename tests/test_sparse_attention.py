@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fastzero.ops.sparse_attention as sa
+import fastzero.ops.sparsity_config as sz
 from fastzero.ops.sparse_attention import SparseAttention, block_sparse_attention, dense_attention, expand_layout
 
 # the Triton path runs on the GPU where there is one, else in the interpreter on CPU tensors
@@ -232,3 +233,40 @@ def test_torch_compile_traces_the_module_without_a_graph_break():
     torch.testing.assert_close(out, eager)
     for g, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(t.grad, g)
+
+
+CONFIGS = [
+    lambda: sz.DenseSparsityConfig(num_heads=2, block=16),
+    lambda: sz.FixedSparsityConfig(num_heads=2, block=16, num_local_blocks=2, num_global_blocks=1),
+    lambda: sz.FixedSparsityConfig(num_heads=2, block=16, num_local_blocks=2, attention="unidirectional",
+                                   different_layout_per_head=True, num_different_global_patterns=2),
+    lambda: sz.VariableSparsityConfig(num_heads=2, block=16, num_random_blocks=1, local_window_blocks=[1, 2],
+                                      global_block_indices=[0], seed=3),
+    lambda: sz.BigBirdSparsityConfig(num_heads=2, block=16, num_random_blocks=1, attention="unidirectional", seed=4),
+    lambda: sz.BSLongformerSparsityConfig(num_heads=2, block=16, num_sliding_window_blocks=3, global_block_indices=[1]),
+    lambda: sz.LocalSlidingWindowSparsityConfig(num_heads=2, block=16, num_sliding_window_blocks=3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("make", CONFIGS, ids=lambda f: f().__class__.__name__)
+def test_every_config_family_through_the_module(make, path, monkeypatch):
+    """Each family's layout, a sequence that is not a multiple of the block,
+    a key padding mask: equal to dense attention with the layout's mask."""
+    if path == "cpu-blocked":
+        monkeypatch.setattr(sa, "DENSE_CPU_MAX_SEQ", 0)
+    config = make()
+    device = TRITON_DEVICE if path == "triton" else "cpu"
+    attn = SparseAttention(config, max_seq_length=80, backend="triton" if path == "triton" else "reference")
+    seq = 72
+    q, k, v = inputs(2, 2, seq, 16, device=device)
+    kpm = torch.zeros(2, seq, device=device)
+    kpm[1, -6:] = float("-inf")
+    out = attn(q, k, v, key_padding_mask=kpm)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    causal = config.attention == "unidirectional"
+    keep = sz.dense_mask(attn.master_layout, 16, causal)[None, :, :seq, :seq]  # random blocks: the layout it drew
+    q2, k2, v2 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(q2, k2, v2, keep, 0.25, kpm.cpu().double()[:, None, None, :])
+    check(out, [t.grad for t in (q, k, v)], ref, (q2, k2, v2), dout)

@@ -13,8 +13,19 @@ from fastzero.ops.sparse_attention import (
     pad_to_block_size,
     unpad_sequence_output,
 )
+from fastzero.ops.sparsity_config import (
+    BigBirdSparsityConfig,
+    BSLongformerSparsityConfig,
+    DenseSparsityConfig,
+    FixedSparsityConfig,
+    LocalSlidingWindowSparsityConfig,
+    SparsityConfig,
+    VariableSparsityConfig,
+)
 
 __all__ = [
+    "BSLongformerSparsityConfig", "BigBirdSparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig",
+    "LocalSlidingWindowSparsityConfig", "SparsityConfig", "VariableSparsityConfig",
     "CPUAdam", "FusedAdam", "FusedLamb", "SparseAttention", "backends", "cpu_adam_step", "cpu_lamb_step",
     "block_sparse_attention", "pad_to_block_size", "reference", "report", "unpad_sequence_output",
 ]  # fmt: skip

@@ -2,19 +2,18 @@
 
 A layout is an int64 tensor ``[num_heads, seq_len // block, seq_len // block]`` of 0/1; ``layout[h, i, j] == 1``
 means head ``h`` lets the queries of block ``i`` attend to the keys of block ``j``. The configs, their parameters,
-defaults, validation and layouts follow DeepSpeed's ``deepspeed/ops/sparse_attention/sparsity_config.py``
-(v0.3 to v0.16; DeepSpeed 0.19 no longer ships it), so a ``ds_config`` or a script that built one of DeepSpeed's
-configs builds the same layout here. Where we differ from DeepSpeed (always at a bug or a crash), the class docstring
-says so.
+defaults, validation and layouts follow DeepSpeed's ``deepspeed/ops/sparse_attention/sparsity_config.py`` (read at
+deepspeedai/DeepSpeed@985acb15; DeepSpeed 0.19 no longer ships it), so a script that built one of DeepSpeed's configs
+builds the same layout here. Where we differ from DeepSpeed (at a bug or a crash), the class docstring says so.
 
 ``attention="unidirectional"`` is causal at the block level: a layout has no block above the diagonal. The
 upper triangle *inside* each diagonal block is the attention kernel's job (or ``dense_mask(..., causal=True)``).
 
 Random blocks (``VariableSparsityConfig``, ``BigBirdSparsityConfig``) are drawn from a ``random.Random`` owned by the
 config (``seed=`` or ``generator=``), never from the global RNG. The draws are made in DeepSpeed's order (head, then
-row, one ``sample`` per row), so with ``seed=s`` a config's first layout is DeepSpeed's after ``random.seed(s)``.
-Like DeepSpeed, each ``make_layout`` call draws afresh: two configs with the same seed give the same sequence of
-layouts.
+row, one ``sample`` per row), so with ``seed=s`` a bidirectional config's first layout is DeepSpeed's after
+``random.seed(s)``. Like DeepSpeed, each ``make_layout`` call draws afresh: two configs with the same seed give the
+same sequence of layouts.
 """
 
 from __future__ import annotations
@@ -431,12 +430,11 @@ def _set_random(rng: random.Random, head: Tensor, k: int, causal: bool) -> None:
 
 
 def _set_global_spans(head: Tensor, starts: list[int], ends: list[int] | None, rows: bool) -> None:
-    num_blocks = head.shape[0]
+    # Spans past the end of the sequence slice to nothing: one config serves any seq_len, as in DeepSpeed.
     for s, e in zip(starts, ends if ends is not None else [s + 1 for s in starts]):
-        if s < num_blocks:  # global blocks past the sequence are skipped, so one config serves any seq_len
-            head[:, s:e] = 1
-            if rows:
-                head[s:e, :] = 1
+        head[:, s:e] = 1
+        if rows:
+            head[s:e, :] = 1
 
 
 def layout_density(layout: Tensor) -> float:
