@@ -4,7 +4,8 @@ bytes, providers: fastzero's backends, the peers, the bandwidth probe).
 A family may also define ``measure(case, args, say) -> (rows, skipped)``
 when it times itself (multi-process jobs: ``zero``) instead of the harness's
 in-process rounds, ``table(case_info, provs)`` for its Markdown lines, and
-``IN_ALL = False`` to stay out of ``--all``."""
+``IN_ALL = False`` to stay out of ``--all``. "module:ATTR" names an object
+in a module that has those attributes (several families in one module)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ KERNELS = {
     "fused_adam": "bench.kernels.fused_adam",
     "fused_lamb": "bench.kernels.fused_lamb",
     "zero": "bench.kernels.zero",
+    "zero3": "bench.kernels.zero:ZERO3",
+    "offload": "bench.kernels.zero:OFFLOAD",
 }
 
 
 def load(name: str) -> ModuleType:
+    """The family's module (or the family object a "module:ATTR" entry names)."""
     if name not in KERNELS:
         raise SystemExit(f"unknown kernel {name!r}; known: {', '.join(KERNELS)} (see --list)")
-    return importlib.import_module(KERNELS[name])
+    module, _, attr = KERNELS[name].partition(":")
+    return getattr(importlib.import_module(module), attr) if attr else importlib.import_module(module)

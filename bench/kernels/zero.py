@@ -1,24 +1,31 @@
-"""A ZeRO training step at world size 2 over Gloo: ``fastzero.initialize`` at
-stages 0, 1 and 2 beside PyTorch DDP, FSDP2 (``fully_shard``, resharding
-after forward off and on) and DeepSpeed ZeRO 1 and 2 where it imports, on one
-model, data and world size: LAYERS x (Linear(w, w) + GELU), fp32, micro-batch
-64 per rank, MSE loss on fixed random data, AdamW.
+"""ZeRO training steps at world size 2 over Gloo, fastzero beside its peers
+on one model, data and world size: LAYERS x (Linear(w, w) + GELU), fp32,
+micro-batch 64 per rank, MSE loss on fixed random data, AdamW. Three
+families share this module (bench/kernels/__init__.py names them):
+
+* ``zero``: ``fastzero.initialize`` at stages 0, 1 and 2 beside PyTorch DDP,
+  FSDP2 (``fully_shard``, resharding after forward off and on) and DeepSpeed
+  ZeRO 1 and 2 where it imports;
+* ``zero3``: fastzero stage 3 with its recorded-order prefetch and without it
+  (``stage3_prefetch_bucket_size`` 0) beside FSDP2 full sharding
+  (``reshard_after_forward=True``) and DeepSpeed stage 3;
+* ``offload``: fastzero with ``offload_optimizer: {device: cpu}`` at stages 2
+  and 3 beside FSDP2 with ``CPUOffloadPolicy`` and DeepSpeed's ZeRO-Offload
+  (DeepSpeedCPUAdam) at stages 2 and 3.
 
 Each variant is its own 2-process job (bench/zero_worker.py): the processes
-time their own steps, so this family does not use the harness's in-process
+time their own steps, so these families do not use the harness's in-process
 rounds; ``measure`` is the hook bench.run calls instead. The jobs run one
 after another, so a neighbour's burst can hit one and not the others: the
-only gated figure is fastzero stage 2's speed relative to the fastest torch
-provider of the same run, never an absolute time.
+only gated figure of a family is one fastzero variant's speed relative to
+the fastest of its named peers in the same run, never an absolute time.
 
 Reported per variant: median ms/step and its spread, samples/s (global batch
 / step time), model-state bytes per rank (fastzero: its memory_breakdown();
 peers: the storages of params, grads and optimizer state they hold after a
-step), and for fastzero: the ZeRO formula for fp32 (stage 0: 16 psi; stage 1:
-8 psi + 8 psi/N; stage 2: 4 psi + 12 psi/N; stage 2's bucket buffers come on
-top and are shown apart), the fraction of gradient communication hidden
-behind backward, and engine.step()'s time against the optimizer kernel alone
-on the rank's shard plus the params' all-gather.
+step), the peak RSS growth over the timed steps (every provider alike), and
+for fastzero: the ZeRO formula for fp32 and the runtime's own figures (see
+each family's legend).
 """
 
 from __future__ import annotations
@@ -30,17 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import Case, Provider, Timing, Unavailable
 
-NAME = "zero"
-DESCRIPTION = (
-    "ZeRO stages 0-2 training step (2 ranks, Gloo) vs DDP, FSDP2, DeepSpeed; not in --all: 30-45 s of 2-process "
-    "jobs that fill both cores, and its gated ratio moved up to 14% between quiet quick runs (CI allows 12%)"
-)
 DEVICES = ("cpu",)
-IN_ALL = False  # see DESCRIPTION; run it with --kernel zero
 WORLD = 2
 LAYERS = 4
 MICRO = 64
@@ -49,14 +51,8 @@ WIDTH, QUICK_WIDTH = 1024, 512
 # (45 by default), more than a kernel call needs, for a steady median
 STEPS_PER_REPEAT = 3
 BUCKET = 2_000_000  # elements: 3 buckets at width 1024
-# provider -> its variants (row names); the worker takes the variant
-VARIANTS = {
-    "fastzero": {"fastzero-s0": 0, "fastzero-s1": 1, "fastzero-s2": 2},
-    "ddp": {"ddp": None},
-    "fsdp2": {"fsdp2": "keep", "fsdp2-reshard": "reshard"},
-    "deepspeed": {"deepspeed-s1": 1, "deepspeed-s2": 2},
-}
-TORCH = ("ddp", "fsdp2", "fsdp2-reshard")
+PREFETCH = 2_000_000  # stage 3: elements gathered ahead, two layers at width 1024
+PERSIST = 100_000  # stage 3: params smaller than this stay whole (the biases)
 WORKER = Path(__file__).resolve().parents[1] / "zero_worker.py"
 ROOT = WORKER.parents[1]
 MiB = 1 << 20
@@ -71,26 +67,32 @@ def bucket(psi: int) -> int:
     return min(BUCKET, psi // 2)
 
 
+def prefetch(psi: int) -> int:
+    """stage3_prefetch_bucket_size: PREFETCH, scaled down with the model (two layers ahead at any width)."""
+    return min(PREFETCH, psi // 2)
+
+
+def persist(width: int) -> int:
+    """stage3_param_persistence_threshold: PERSIST, below a weight's size at any width (weights partitioned,
+    biases whole)."""
+    return min(PERSIST, width * width // 2)
+
+
 def formula_bytes(stage: int, psi: int, n: int = WORLD) -> float:
     """Model-state bytes per rank from the ZeRO paper, for fp32 training with
     Adam: params 4, grads 4, exp_avg + exp_avg_sq 8 bytes per param."""
-    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n}[stage]
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def offload_device_formula(stage: int, psi: int, n: int = WORLD) -> float:
+    """ZeRO-Offload, fp32: what stays on the device (params 4 psi, or 4 psi/N
+    at stage 3, and the grad shard 4 psi/N); the CPU holds the master and Adam
+    state (12 psi/N) and its staging buffer for the incoming grads."""
+    return (4 * psi if stage < 3 else 4 * psi / n) + 4 * psi / n
 
 
 def _self_timed() -> None:
-    raise Unavailable("a multi-process job: timed by python -m bench.run --kernel zero, not per call")
-
-
-def cases(sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
-    """One case per hidden width (``--sizes`` are widths here; fp32 only)."""
-    out = []
-    for w in sizes or [QUICK_WIDTH if quick else WIDTH]:
-        psi = params(w)
-        provs = [Provider(p, "ours" if p == "fastzero" else "peer", _self_timed) for p in VARIANTS]
-        desc = (f"{LAYERS} x (Linear({w},{w}) + GELU), {psi / 1e6:.2f}M params fp32, micro-batch {MICRO} x "
-                f"{WORLD} ranks (Gloo), AdamW, reduce bucket {bucket(psi):,} elements")  # fmt: skip
-        out.append(Case(NAME, f"mlp{LAYERS}x{w}", psi, 0, provs, desc))
-    return out
+    raise Unavailable("a multi-process job: timed by python -m bench.run --kernel zero/zero3/offload, not per call")
 
 
 class JobFailed(RuntimeError):
@@ -135,110 +137,315 @@ def run_job(spec: dict, timeout: float) -> dict:
             return json.load(f)
 
 
-def measure(case: Case, args, say) -> tuple[list[dict], dict]:
-    """bench.run's hook for this family: runs every variant of the case's
-    providers (those not --skip'ped), returns (rows, skipped)."""
-    width = int(case.name.rsplit("x", 1)[1])
-    spec = dict(width=width, layers=LAYERS, micro=MICRO, bucket=bucket(case.numel),
-                warmup=args.warmup, steps=STEPS_PER_REPEAT * args.repeats, slowdown=args.inject_slowdown)  # fmt: skip
-    results, skipped = {}, {}
-    for prov in case.providers:
-        for name, variant in VARIANTS[prov.name].items():
-            if name in args.skip:  # a single variant, e.g. --skip fsdp2-reshard
-                continue
-            say(f"{case.name}: {name} ({WORLD} processes)")
-            try:
-                res = run_job(dict(spec, provider=prov.name, variant=variant), timeout=120 if args.quick else 600)
-            except JobFailed as exc:
-                if prov.kind == "ours":
-                    raise
-                skipped[name] = f"failed: {exc}"  # a peer's failure is reported, not ours to fail on
-                continue
-            if "skipped" in res:
-                skipped[name] = res["skipped"]
-            else:
-                results[name] = res
-    return rows(case, results), skipped
+def _f(v, spec, scale=1.0) -> str:
+    return "" if v is None else format(v / scale, spec)
 
 
-def rows(case: Case, results: dict[str, dict]) -> list[dict]:
-    out = []
+@dataclass
+class Family:
+    """One benchmark family: its variants (provider -> {row name: the
+    worker's variant}), what each fastzero row is compared with (the fastest
+    of `against[row]`, metric `best_metric`), the gated row, and its table's
+    columns (header, metric, format, scale). An instance has the attributes
+    bench.run reads from a family's module."""
 
-    def row(provider, metric, value, **more):
-        out.append(dict(kernel=case.kernel, case=case.name, provider=provider, metric=metric, value=value, **more))
+    NAME: str
+    DESCRIPTION: str
+    variants: dict[str, dict[str, dict]]
+    against: dict[str, tuple[str, ...]]
+    best_metric: str
+    best_label: str
+    gated: str
+    columns: list[tuple[str, str, str, float]]
+    legend: str
+    roofline: bool = False  # the worker times the CPU Adam kernel against the streaming roofline
+    DEVICES: tuple[str, ...] = DEVICES
+    IN_ALL: bool = False  # minutes of 2-process jobs that fill both cores: run it with --kernel NAME
 
-    psi = case.numel
-    medians = {}
-    for name, res in results.items():
-        t = Timing(name, "ours" if name.startswith("fastzero") else "peer", res["times"])
-        medians[name] = t.median
-        row(name, "median_ms", t.median * 1e3)
-        row(name, "spread", t.spread)
-        row(name, "samples_per_s", MICRO * WORLD / t.median)
-        row(name, "timed_steps", len(res["times"]))
-        row(name, "model_state_bytes", res["model_state_bytes"])
-        if name.startswith("fastzero"):
-            stage = VARIANTS["fastzero"][name]
-            ex = res["extra"]
-            formula = formula_bytes(stage, psi)
-            row(name, "grad_bucket_bytes", res["grad_bucket_bytes"])
-            row(name, "zero_formula_bytes", formula)
-            row(name, "of_zero_formula", (res["model_state_bytes"] - res["grad_bucket_bytes"]) / formula)
-            row(name, "grad_comm_hidden", ex["hidden_frac"])
-            row(name, "step_call_ms", ex["step_ms"])
-            row(name, "kernel_ms", ex["kernel_ms"])
+    def variant(self, row: str) -> dict:
+        return next(v[row] for v in self.variants.values() if row in v)
+
+    def cases(self, sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
+        """One case per hidden width (``--sizes`` are widths here; fp32 only)."""
+        out = []
+        for w in sizes or [QUICK_WIDTH if quick else WIDTH]:
+            psi = params(w)
+            provs = [Provider(p, "ours" if p == "fastzero" else "peer", _self_timed) for p in self.variants]
+            desc = (f"{LAYERS} x (Linear({w},{w}) + GELU), {psi / 1e6:.2f}M params fp32, micro-batch {MICRO} x "
+                    f"{WORLD} ranks (Gloo), AdamW, reduce bucket {bucket(psi):,} elements")  # fmt: skip
+            if self.NAME != "zero":
+                desc += f"; stage 3: prefetch {prefetch(psi):,} elements, persistence threshold {persist(w):,}"
+            out.append(Case(self.NAME, f"mlp{LAYERS}x{w}", psi, 0, provs, desc))
+        return out
+
+    def measure(self, case: Case, args, say) -> tuple[list[dict], dict]:
+        """bench.run's hook for this family: runs every variant of the case's
+        providers (those not --skip'ped), returns (rows, skipped)."""
+        width = int(case.name.rsplit("x", 1)[1])
+        spec = dict(width=width, layers=LAYERS, micro=MICRO, bucket=bucket(case.numel), persist=persist(width),
+                    warmup=args.warmup, steps=STEPS_PER_REPEAT * args.repeats, slowdown=args.inject_slowdown,
+                    roofline=self.roofline, kernel_rounds=15 if self.roofline else 7)  # fmt: skip
+        results, skipped = {}, {}
+        for prov in case.providers:
+            for name, variant in self.variants[prov.name].items():
+                if name in args.skip:  # a single variant, e.g. --skip fsdp2-reshard
+                    continue
+                if variant.get("prefetch"):
+                    variant = dict(variant, prefetch=prefetch(case.numel))
+                say(f"{case.name}: {name} ({WORLD} processes)")
+                try:
+                    res = run_job(dict(spec, provider=prov.name, variant=variant), timeout=120 if args.quick else 600)
+                except JobFailed as exc:
+                    if prov.kind == "ours":
+                        raise
+                    skipped[name] = f"failed: {exc}"  # a peer's failure is reported, not ours to fail on
+                    continue
+                if "skipped" in res:
+                    skipped[name] = res["skipped"]
+                else:
+                    results[name] = res
+        return self.rows(case, results), skipped
+
+    def rows(self, case: Case, results: dict[str, dict]) -> list[dict]:
+        out = []
+
+        def row(provider, metric, value, **more):
+            if value is not None:
+                out.append(dict(kernel=case.kernel, case=case.name, provider=provider, metric=metric, value=value,
+                                **more))  # fmt: skip
+
+        psi = case.numel
+        medians = {}
+        for name, res in results.items():
+            t = Timing(name, "ours" if name.startswith("fastzero") else "peer", res["times"])
+            medians[name] = t.median
+            row(name, "median_ms", t.median * 1e3)
+            row(name, "spread", t.spread)
+            row(name, "samples_per_s", MICRO * WORLD / t.median)
+            row(name, "timed_steps", len(res["times"]))
+            row(name, "model_state_bytes", res["model_state_bytes"])
+            if self.NAME != "zero":
+                row(name, "peak_rss_growth_bytes", res.get("peak_rss_growth_bytes"))
+            if name.startswith("fastzero"):
+                self._fastzero_rows(row, name, res, psi)
+        for name in [n for n in medians if n.startswith("fastzero")]:
+            for peer in [n for n in medians if not n.startswith("fastzero")]:
+                row(name, f"speedup_vs_{peer}", medians[peer] / medians[name])
+            best = min((medians[n] for n in self.against.get(name, ()) if n in medians), default=None)
+            if best is not None:
+                # the gated figure: one ratio of the same run, against whichever named peer was fastest
+                row(name, self.best_metric, best / medians[name], gated=name == self.gated)
+        return out
+
+    def _fastzero_rows(self, row, name, res, psi) -> None:
+        v, ex = self.variant(name), res["extra"]
+        stage, offload = v["stage"], v.get("offload", False)
+        buckets, persistent = res["grad_bucket_bytes"], res.get("persistent_bytes", 0)
+        row(name, "grad_bucket_bytes", buckets)
+        row(name, "grad_comm_hidden", ex["hidden_frac"])
+        row(name, "step_call_ms", ex["step_ms"])
+        row(name, "kernel_ms", ex["kernel_ms"])
+        if stage == 3:
+            row(name, "persistent_bytes", persistent)
+            row(name, "peak_gathered_bytes", res["peak_gathered_bytes"])
+        if offload:
+            device = res["model_state_bytes"] - res["offloaded_bytes"]
+            formula = offload_device_formula(stage, psi)
+            row(name, "device_bytes", device)
+            row(name, "offloaded_bytes", res["offloaded_bytes"])
+            row(name, "staging_bytes", res["staging_bytes"])
+            row(name, "device_formula_bytes", formula)
+            row(name, "of_device_formula", (device - buckets - persistent) / formula)
+            row(name, "adam_in_step_ms", ex["adam_in_step_ms"])
+            for key in ("roofline_ms", "kernel_gbps", "roofline_gbps", "kernel_of_roofline"):
+                row(name, key, ex[key])
+            return
+        formula = formula_bytes(stage, psi)
+        row(name, "zero_formula_bytes", formula)
+        row(name, "of_zero_formula", (res["model_state_bytes"] - buckets - persistent) / formula)
+        if stage < 3:
             row(name, "allgather_ms", ex["allgather_ms"])
             row(name, "step_over_kernel_allgather", ex["step_ms"] / (ex["kernel_ms"] + ex["allgather_ms"]))
-    torch_best = min((medians[n] for n in TORCH if n in medians), default=None)
-    for name in [n for n in medians if n.startswith("fastzero")]:
-        for peer in [n for n in medians if not n.startswith("fastzero")]:
-            row(name, f"speedup_vs_{peer}", medians[peer] / medians[name])
-        if torch_best is not None:
-            # the gated figure: one ratio of the same run, against whichever torch provider was fastest
-            row(name, "speedup_vs_fastest_torch", torch_best / medians[name], gated=name == "fastzero-s2")
-    return out
+
+    def table(self, case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
+        """Markdown for bench.run's terminal output and report."""
+        cols = self.columns
+        lines = ["| provider | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+        for prov, m in provs.items():
+            lines.append(
+                f"| {prov} | " + " | ".join(_f(m.get(key), spec, scale) for _, key, spec, scale in cols) + " |"
+            )
+        for prov, why in case_info.get("skipped", {}).items():
+            lines.append(f"| {prov} | skipped: {why} |" + " |" * (len(cols) - 1))
+        ours = [p for p in provs if p.startswith("fastzero")]
+        peers = [p for p in provs if not p.startswith("fastzero")]
+        if ours and peers:
+            head = "| | " + " | ".join(peers) + f" | {self.best_label} |"
+            lines += ["", "Speedup of fastzero (peer time / fastzero time, same run):", "", head]
+            lines.append("|---|" + "---:|" * (len(peers) + 1))
+            for p in ours:
+                cells = [_f(provs[p].get(f"speedup_vs_{q}"), ".2f") + "x" for q in peers]
+                best = provs[p].get(self.best_metric)
+                lines.append(f"| {p} | " + " | ".join(cells) + f" | {_f(best, '.2f')}{'x' if best else ''} |")
+        return lines + ["", self.legend]
 
 
-def table(case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
-    """Markdown for bench.run's terminal output and report."""
-
-    def f(v, spec, scale=1.0):
-        return "" if v is None else format(v / scale, spec)
-
-    lines = [
-        "| provider | ms/step | spread | samples/s | model states MiB/rank | ZeRO formula MiB | of formula "
-        "| bucket buffers MiB | grad comm hidden | step() ms | kernel ms | all-gather ms | step / (kernel + AG) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for prov, m in provs.items():
-        g = m.get
-        lines.append(
-            f"| {prov} | {f(g('median_ms'), '.1f')} | {f(g('spread'), '.1%')} | {f(g('samples_per_s'), '.0f')} | "
-            f"{f(g('model_state_bytes'), '.1f', MiB)} | {f(g('zero_formula_bytes'), '.1f', MiB)} | "
-            f"{f(g('of_zero_formula'), '.2f')} | {f(g('grad_bucket_bytes'), '.1f', MiB)} | "
-            f"{f(g('grad_comm_hidden'), '.0%')} | {f(g('step_call_ms'), '.1f')} | {f(g('kernel_ms'), '.1f')} | "
-            f"{f(g('allgather_ms'), '.1f')} | {f(g('step_over_kernel_allgather'), '.2f')} |"
-        )
-    for prov, why in case_info.get("skipped", {}).items():
-        lines.append(f"| {prov} | skipped: {why} |" + " |" * 12)
-    ours = [p for p in provs if p.startswith("fastzero")]
-    peers = [p for p in provs if not p.startswith("fastzero")]
-    if ours and peers:
-        lines += ["", "Speedup of fastzero (peer time / fastzero time, same run):", "",
-                  "| | " + " | ".join(peers) + " | fastest torch |", "|---|" + "---:|" * (len(peers) + 1)]  # fmt: skip
-        for p in ours:
-            cells = [f(provs[p].get(f"speedup_vs_{q}"), ".2f") + "x" for q in peers]
-            best = provs[p].get("speedup_vs_fastest_torch")
-            lines.append(f"| {p} | " + " | ".join(cells) + f" | {f(best, '.2f')}{'x' if best else ''} |")
-    return lines + ["", LEGEND]
-
-
-LEGEND = (
-    f"ms/step: median of rank 0's timed steps (forward + backward + step); spread: IQR / median; samples/s: "
-    f"{MICRO * WORLD} / step time. Model states: bytes held per rank between steps (fastzero: the sum of "
-    "memory_breakdown(); peers: the distinct storages of their params, grads "
-    "and optimizer state, DTensor local shards, DeepSpeed's flat buffers). ZeRO formula (fp32 Adam, N ranks): "
-    "16 psi, 8 psi + 8 psi/N, 4 psi + 12 psi/N; 'of formula' leaves the bucket buffers out. Grad comm hidden: the "
-    "share of the gradient collectives' time (launch to done) before backward ended. step(): engine.step(); "
-    "kernel: the Adam kernel alone over the rank's shard; all-gather: the span of the params' all-gathers."
+_COMMON = [("ms/step", "median_ms", ".1f", 1.0), ("spread", "spread", ".1%", 1.0),
+           ("samples/s", "samples_per_s", ".0f", 1.0)]  # fmt: skip
+_TIMES = (f"ms/step: median of rank 0's timed steps (forward + backward + step); spread: IQR / median; samples/s: "
+          f"{MICRO * WORLD} / step time. ")  # fmt: skip
+_RSS = (
+    "Peak RSS growth: the process's peak resident set over the timed steps (VmHWM, reset after warm-up) less its RSS "
+    "before the model was made (torch's one-time set-up paid before): everything the training holds at its peak, "
+    "gathered params and activations included, and what glibc's malloc keeps of what was freed: once its mmap "
+    "threshold has risen, freed MiB-sized blocks stay in its heap, so this grows with the steps taken and is "
+    "mostly the allocator's (MALLOC_MMAP_THRESHOLD_=131072 removes that part). "
 )
+_KERNEL = "kernel: the fastzero CPU Adam kernel alone over fresh fp32 tensors of the rank's shard size. "
+TORCH = ("ddp", "fsdp2", "fsdp2-reshard")
+
+ZERO = Family(
+    NAME="zero",
+    DESCRIPTION=(
+        "ZeRO stages 0-2 training step (2 ranks, Gloo) vs DDP, FSDP2, DeepSpeed; not in --all: 30-45 s of "
+        "2-process jobs that fill both cores, and its gated ratio moved up to 14% between quiet quick runs (CI "
+        "allows 12%)"
+    ),
+    variants={
+        "fastzero": {"fastzero-s0": {"stage": 0}, "fastzero-s1": {"stage": 1}, "fastzero-s2": {"stage": 2}},
+        "ddp": {"ddp": {}},
+        "fsdp2": {"fsdp2": {"reshard": False}, "fsdp2-reshard": {"reshard": True}},
+        "deepspeed": {"deepspeed-s1": {"stage": 1}, "deepspeed-s2": {"stage": 2}},
+    },
+    against={n: TORCH for n in ("fastzero-s0", "fastzero-s1", "fastzero-s2")},
+    best_metric="speedup_vs_fastest_torch",
+    best_label="fastest torch",
+    gated="fastzero-s2",
+    columns=_COMMON
+    + [
+        ("model states MiB/rank", "model_state_bytes", ".1f", MiB),
+        ("ZeRO formula MiB", "zero_formula_bytes", ".1f", MiB),
+        ("of formula", "of_zero_formula", ".2f", 1.0),
+        ("bucket buffers MiB", "grad_bucket_bytes", ".1f", MiB),
+        ("grad comm hidden", "grad_comm_hidden", ".0%", 1.0),
+        ("step() ms", "step_call_ms", ".1f", 1.0),
+        ("kernel ms", "kernel_ms", ".1f", 1.0),
+        ("all-gather ms", "allgather_ms", ".1f", 1.0),
+        ("step / (kernel + AG)", "step_over_kernel_allgather", ".2f", 1.0),
+    ],
+    legend=_TIMES
+    + (
+        "Model states: bytes held per rank between steps (fastzero: the sum of memory_breakdown(); peers: the "
+        "distinct storages of their params, grads and optimizer state, DTensor local shards, DeepSpeed's flat "
+        "buffers). ZeRO formula (fp32 Adam, N ranks): 16 psi, 8 psi + 8 psi/N, 4 psi + 12 psi/N; 'of formula' "
+        "leaves the bucket buffers out. Grad comm hidden: the share of the gradient collectives' time (launch to "
+        "done) before backward ended. step(): engine.step(); kernel: the Adam kernel alone over the rank's shard; "
+        "all-gather: the span of the params' all-gathers."
+    ),
+)
+
+ZERO3 = Family(
+    NAME="zero3",
+    DESCRIPTION=(
+        "ZeRO stage 3 training step (2 ranks, Gloo), prefetch on and off, vs FSDP2 full sharding and DeepSpeed "
+        "stage 3; not in --all (2-process jobs that fill both cores)"
+    ),
+    variants={
+        "fastzero": {
+            "fastzero-s3": {"stage": 3, "prefetch": PREFETCH},
+            "fastzero-s3-noprefetch": {"stage": 3, "prefetch": 0},
+        },
+        "fsdp2": {"fsdp2-reshard": {"reshard": True}},
+        "deepspeed": {"deepspeed-s3": {"stage": 3, "prefetch": PREFETCH}},
+    },
+    against={n: ("fsdp2-reshard", "deepspeed-s3") for n in ("fastzero-s3", "fastzero-s3-noprefetch")},
+    best_metric="speedup_vs_fastest_peer",
+    best_label="faster of FSDP2, DeepSpeed s3",
+    gated="fastzero-s3",
+    columns=_COMMON
+    + [
+        ("model states MiB/rank", "model_state_bytes", ".1f", MiB),
+        ("ZeRO-3 formula 16psi/N MiB", "zero_formula_bytes", ".1f", MiB),
+        ("persistent MiB", "persistent_bytes", ".2f", MiB),
+        ("bucket buffers MiB", "grad_bucket_bytes", ".1f", MiB),
+        ("of formula", "of_zero_formula", ".2f", 1.0),
+        ("peak gathered params MiB", "peak_gathered_bytes", ".1f", MiB),
+        ("peak RSS growth MiB", "peak_rss_growth_bytes", ".1f", MiB),
+        ("grad comm hidden", "grad_comm_hidden", ".0%", 1.0),
+        ("step() ms", "step_call_ms", ".1f", 1.0),
+        ("kernel ms", "kernel_ms", ".1f", 1.0),
+    ],
+    legend=_TIMES
+    + (
+        "Model states: bytes held per rank between steps (fastzero: the sum of memory_breakdown(); peers: the "
+        "distinct storages of their params, grads and optimizer state: DTensor local shards, DeepSpeed's "
+        "partitions). ZeRO-3 formula (fp32 Adam, N ranks): 16 psi / N; 'of formula' leaves out the persistent "
+        "params (held whole on every rank) and the gradient bucket buffers. Peak gathered params: the stage-3 "
+        "runtime's own peak of gathered (or in-flight) partitioned params, engine.fetcher.peak_live elements at "
+        "the param dtype (with the default stage3_max_reuse_distance, params gathered in forward stay for backward: "
+        "the whole model at the peak). "
+        + _RSS
+        + "Grad comm hidden: the share of the reduce-scatters' time (launch to done) before backward ended. step(): "
+        "engine.step(); " + _KERNEL
+    ),
+)
+
+OFFLOAD = Family(
+    NAME="offload",
+    DESCRIPTION=(
+        "ZeRO-Offload (optimizer on the CPU) at stages 2 and 3 (2 ranks, Gloo) vs FSDP2 CPU offload and DeepSpeed "
+        "offload_optimizer; CPU Adam vs the streaming roofline; not in --all (2-process jobs that fill both cores)"
+    ),
+    variants={
+        "fastzero": {
+            "fastzero-s2-offload": {"stage": 2, "offload": True},
+            "fastzero-s3-offload": {"stage": 3, "prefetch": PREFETCH, "offload": True},
+        },
+        "fsdp2": {"fsdp2-offload": {"reshard": True, "offload": True}},
+        "deepspeed": {
+            "deepspeed-s2-offload": {"stage": 2, "offload": True},
+            "deepspeed-s3-offload": {"stage": 3, "prefetch": PREFETCH, "offload": True},
+        },
+    },
+    against={
+        "fastzero-s2-offload": ("fsdp2-offload", "deepspeed-s2-offload"),
+        "fastzero-s3-offload": ("fsdp2-offload", "deepspeed-s3-offload"),
+    },  # fmt: skip
+    best_metric="speedup_vs_fastest_peer",
+    best_label="faster of FSDP2 offload, DeepSpeed offload (same stage)",
+    gated="fastzero-s2-offload",
+    roofline=True,
+    columns=_COMMON
+    + [
+        ("model states MiB/rank", "model_state_bytes", ".1f", MiB),
+        ("on device MiB", "device_bytes", ".1f", MiB),
+        ("device formula MiB", "device_formula_bytes", ".1f", MiB),
+        ("of formula", "of_device_formula", ".2f", 1.0),
+        ("offloaded MiB", "offloaded_bytes", ".1f", MiB),
+        ("of it staging MiB", "staging_bytes", ".1f", MiB),
+        ("peak RSS growth MiB", "peak_rss_growth_bytes", ".1f", MiB),
+        ("step() ms", "step_call_ms", ".1f", 1.0),
+        ("Adam in step() ms", "adam_in_step_ms", ".1f", 1.0),
+        ("kernel ms", "kernel_ms", ".2f", 1.0),
+        ("kernel GB/s", "kernel_gbps", ".1f", 1.0),
+        ("roofline GB/s", "roofline_gbps", ".1f", 1.0),
+        ("kernel of roofline", "kernel_of_roofline", ".2f", 1.0),
+    ],
+    legend=_TIMES
+    + (
+        "Model states: bytes held per rank between steps, device and CPU together (fastzero: the sum of "
+        "memory_breakdown(); peers: the distinct storages of their params, grads and optimizer state, all in CPU "
+        "memory here). fastzero splits them: on device (params, grad shard, bucket buffers) and offloaded "
+        "(offload_master, offload_optimizer and offload_staging, the CPU buffer the grads come into). Device "
+        "formula (fp32, N ranks): 4 psi + 4 psi/N at stage 2, 8 psi/N at stage 3 (grads and params sharded); "
+        "'of formula' leaves out the bucket buffers and stage 3's persistent params. " + _RSS + "step(): "
+        "engine.step(); Adam in step(): the cpu_adam_step calls inside it; " + _KERNEL + "Roofline: the "
+        "streaming probe of bench --kernel cpu_adam (28 bytes per param, in place), timed in interleaved rounds "
+        "with the kernel in the same process; kernel of roofline = roofline time / kernel time, round by round."
+    ),
+)
+
+# this module is the zero family's (bench/kernels/__init__.py: "zero")
+NAME, DESCRIPTION, IN_ALL = ZERO.NAME, ZERO.DESCRIPTION, ZERO.IN_ALL
+VARIANTS = ZERO.variants
+cases, measure, rows, table = ZERO.cases, ZERO.measure, ZERO.rows, ZERO.table
