@@ -18,7 +18,9 @@ from torch import Tensor
 
 from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
 
-CHUNK = 1 << 22  # elements per pipelined piece: 16 MiB of fp32 master, big enough for every core
+CHUNK = 1 << 22  # at most this many elements per pipelined piece (16 MiB of fp32 master)
+MIN_CHUNK = 1 << 16  # at least this many: each piece is one kernel call, and a call has a fixed cost
+PIECES = 4  # a shard smaller than PIECES * CHUNK is cut in about this many pieces, so transfers still overlap
 
 
 class Transfers:
@@ -58,11 +60,11 @@ class OffloadedAdam(CPUAdam):
     brings the grads over, updates the masters and writes the device
     tensors back, chunk by chunk."""
 
-    def __init__(self, params, *, pin_memory: bool = False, chunk: int = CHUNK, **kwargs) -> None:
+    def __init__(self, params, *, pin_memory: bool = False, chunk: int | None = None, **kwargs) -> None:
         groups = list(params)
         groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
         self.pin = pin_memory and torch.cuda.is_available()  # pinning needs CUDA
-        self.chunk = chunk
+        self.chunk = chunk  # None: sized from the shard (see PIECES)
         self.device_of: dict[Tensor, Tensor] = {}  # master -> device tensor
         cpu_groups = []
         for g in groups:
@@ -93,8 +95,10 @@ class OffloadedAdam(CPUAdam):
             return None
         for group in self.param_groups:
             self._check_group(0, group)
-            pieces = [(m, lo, min(lo + self.chunk, m.numel())) for m in group["params"]
-                      for lo in range(0, m.numel(), self.chunk)]  # fmt: skip
+            total = sum(m.numel() for m in group["params"])
+            chunk = self.chunk or min(CHUNK, max(MIN_CHUNK, -(-total // PIECES)))
+            pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"]
+                      for lo in range(0, m.numel(), chunk)]  # fmt: skip
             if not pieces:
                 continue
             group["step"] = int(group.get("step", 0)) + 1
