@@ -49,14 +49,31 @@ def csr(layout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 @triton.jit
+def _mm(a, b, FP32: tl.constexpr):
+    """a @ b accumulated in fp32: exact (ieee) for fp32 inputs, else in b's
+    dtype (the fp32 probabilities are rounded to it, as flash attention does)."""
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _probs_and_ds(q, k, v, do, lse, delta, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am,
+                  BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr,
+                  FP32: tl.constexpr):  # fmt: skip
+    """The backward's tile: probabilities recomputed from the saved lse, and
+    dS = P * (dO V^T - rowsum(dO * O))."""
+    s = _scores(q, k, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK, CAUSAL, HAS_KPM, HAS_AM, FP32)
+    p = tl.exp(s - lse[:, None])
+    dp = _mm(do, tl.trans(v), FP32)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def _scores(q, k, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, FP32: tl.constexpr):  # fmt: skip
     """One tile of scores, fp32, masked: query block qi x key block kj."""
-    if FP32:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * scale
+    s = _mm(q, tl.trans(k), FP32) * scale
     rows = qi * BLOCK + tl.arange(0, BLOCK)
     cols = kj * BLOCK + tl.arange(0, BLOCK)
     if HAS_KPM:
@@ -96,18 +113,13 @@ def _fwd(Q, K, V, OUT, LSE, ROW_PTR, COLS, KPM, AM, scale, seq, nb, heads,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _mm(p, v, FP32)
         m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]  # rows that keep nothing: zeros
     tl.store(OUT + base + (qi * BLOCK + offs)[:, None] * s_s + d[None, :], out.to(OUT.dtype.element_ty))
-    lse = tl.where(
-        empty, float("inf"), m_i + tl.log(tl.where(empty, 1.0, l_i))
-    )  # +inf: the backward's exp(s - lse) is 0 there
+    # +inf for empty rows: the backward's exp(s - lse) is 0 there
+    lse = tl.where(empty, float("inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     tl.store(LSE + bh * seq + qi * BLOCK + offs, lse)
 
 
@@ -135,16 +147,9 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, ROW_PTR, COLS, KPM, AM, scale, seq, nb,
         kv = base + (kj * BLOCK + offs)[:, None] * s_s + d[None, :]
         k = tl.load(K + kv)
         v = tl.load(V + kv)
-        s = _scores(q, k, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK, CAUSAL, HAS_KPM, HAS_AM, FP32)
-        p = tl.exp(s - lse[:, None])
-        if FP32:
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds, k, input_precision="ieee")
-        else:
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+        _, ds = _probs_and_ds(q, k, v, do, lse, delta, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK,
+                              CAUSAL, HAS_KPM, HAS_AM, FP32)  # fmt: skip
+        dq += _mm(ds, k, FP32)
     tl.store(DQ + rows, (dq * scale).to(DQ.dtype.element_ty))
 
 
@@ -173,18 +178,10 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_PTR, ROWS, KPM, AM, scale, se
         do = tl.load(DO + rows)
         lse = tl.load(LSE + bh * seq + qi * BLOCK + offs)
         delta = tl.load(DELTA + bh * seq + qi * BLOCK + offs)
-        s = _scores(q, k, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK, CAUSAL, HAS_KPM, HAS_AM, FP32)
-        p = tl.exp(s - lse[:, None])
-        if FP32:
-            dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
-        else:
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        p, ds = _probs_and_ds(q, k, v, do, lse, delta, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK,
+                              CAUSAL, HAS_KPM, HAS_AM, FP32)  # fmt: skip
+        dv += _mm(tl.trans(p), do, FP32)
+        dk += _mm(tl.trans(ds), q, FP32)
     tl.store(DK + cols, (dk * scale).to(DK.dtype.element_ty))
     tl.store(DV + cols, dv.to(DV.dtype.element_ty))
 
