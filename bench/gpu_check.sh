@@ -73,6 +73,8 @@ print('CUDA kernels ready')
   step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sparse_attention.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
+  step bench_sparse_attention "$PY" -m bench.run --kernel sparse_attention --device cuda --quick \
+    --json "$OUT/sparse_attention.json" --report "$OUT/sparse_attention.md"
 fi
 
 echo "== summary ($SECONDS s; files in $OUT)" | tee -a "$LOG"

@@ -16,6 +16,7 @@ KERNELS = {
     "cpu_adam": "bench.kernels.cpu_adam",
     "fused_adam": "bench.kernels.fused_adam",
     "fused_lamb": "bench.kernels.fused_lamb",
+    "sparse_attention": "bench.kernels.sparse_attention",
     "zero": "bench.kernels.zero",
     "zero3": "bench.kernels.zero:ZERO3",
     "offload": "bench.kernels.zero:OFFLOAD",

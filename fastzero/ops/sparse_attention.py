@@ -6,7 +6,7 @@ On CUDA tensors it runs the Triton block-sparse flash attention
 (``fastzero.triton_kernels.sparse_attention``: forward and backward, only the
 kept blocks, never a seq x seq matrix). Without CUDA it computes the same
 function in plain PyTorch: dense masked attention for short sequences, a
-loop over query blocks that gathers only the kept key blocks beyond (memory
+flash-style loop over query blocks that gathers only the kept key blocks beyond (memory
 O(seq) for a bounded number of kept blocks per row). The math's source of
 truth is :func:`dense_attention`.
 """
@@ -19,7 +19,7 @@ import os
 import torch
 from torch import Tensor
 
-DENSE_CPU_MAX_SEQ = 1024  # the CPU path's dense form up to here; blocked beyond
+DENSE_CPU_MAX_SEQ = 256  # the CPU path's dense form up to here (cheaper for short rows); blocked beyond
 
 
 def expand_layout(layout: Tensor, block: int, causal: bool) -> Tensor:
@@ -65,41 +65,82 @@ def _additive(batch: int, seq: int, kpm: Tensor | None, am: Tensor | None, devic
     return out
 
 
-def _blocked_attention(q, k, v, layout, block, scale, causal, kpm, am) -> Tensor:
-    """The CPU path beyond DENSE_CPU_MAX_SEQ: per query block, only the kept
-    key blocks (padded to the row's largest count across heads and masked)."""
+def _row_tile(q, k, v, lay, i, block, scale, causal, kpm, am):
+    """Query block i against the key blocks it keeps (per head, padded to the
+    row's largest count across heads and masked): the masked scores
+    [B, H, block, count*block], the kept columns' indices for gathering
+    [B, H, count*block, D], and the gathered keys and values; None if the
+    row keeps nothing in any head."""
     batch, heads, seq, dim = q.shape
-    nb = seq // block
-    lay = layout.to(torch.bool)
-    outs = []
+    kept = lay[:, i, :]  # [H, nb]
+    count = int(kept.sum(-1).max())
+    if count == 0:
+        return None
     offs = torch.arange(block, device=q.device)
-    for i in range(nb):
-        kept = lay[:, i, :]  # [H, nb]
-        count = int(kept.sum(-1).max())
-        if count == 0:
-            outs.append(torch.zeros(batch, heads, block, dim, dtype=q.dtype, device=q.device))
-            continue
-        # per head, the kept column blocks (padding repeats block 0, masked out below)
-        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, :count]  # [H, count]
-        valid = torch.gather(kept, 1, order)  # [H, count]
-        cols = (order[:, :, None] * block + offs).reshape(heads, count * block)  # [H, count*block]
-        idx = cols[None, :, :, None].expand(batch, heads, count * block, dim)
-        kb, vb = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
-        qb = q[:, :, i * block : (i + 1) * block]
-        scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [B, H, block, count*block]
-        keep = valid.repeat_interleave(block, 1)[None, :, None, :]
-        if causal:
-            keep = keep & (cols[None, :, None, :] <= (i * block + offs)[None, None, :, None])
-        if kpm is not None:
-            keys = kpm.to(scores.dtype)[:, None, :].expand(batch, heads, seq)
-            scores = scores + torch.gather(keys, 2, cols[None].expand(batch, heads, count * block))[:, :, None, :]
-        if am is not None:
-            rows = am[..., i * block : (i + 1) * block, :].to(scores.dtype)
-            rows = rows.expand(heads, block, seq) if rows.dim() == 3 else rows[None].expand(heads, block, seq)
-            scores = scores + torch.gather(rows, 2, cols[:, None, :].expand(heads, block, count * block))[None]
-        scores = scores.masked_fill(~keep, float("-inf"))
-        outs.append(torch.matmul(_softmax_rows(scores), vb))
-    return torch.cat(outs, dim=2)
+    order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, :count]  # kept first; padding repeats
+    valid = torch.gather(kept, 1, order)  # [H, count]
+    cols = (order[:, :, None] * block + offs).reshape(heads, count * block)
+    idx = cols[None, :, :, None].expand(batch, heads, count * block, dim)
+    kb, vb = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
+    scores = torch.matmul(q[:, :, i * block : (i + 1) * block], kb.transpose(-1, -2)) * scale
+    keep = valid.repeat_interleave(block, 1)[None, :, None, :]
+    if causal:
+        keep = keep & (cols[None, :, None, :] <= (i * block + offs)[None, None, :, None])
+    if kpm is not None:
+        keys = kpm.to(scores.dtype)[:, None, :].expand(batch, heads, seq)
+        scores = scores + torch.gather(keys, 2, cols[None].expand(batch, heads, count * block))[:, :, None, :]
+    if am is not None:
+        rows = am[..., i * block : (i + 1) * block, :].to(scores.dtype)
+        rows = rows.expand(heads, block, seq) if rows.dim() == 3 else rows[None].expand(heads, block, seq)
+        scores = scores + torch.gather(rows, 2, cols[:, None, :].expand(heads, block, count * block))[None]
+    return scores.masked_fill(~keep, float("-inf")), idx, kb, vb
+
+
+class _BlockedAttention(torch.autograd.Function):
+    """The CPU path beyond DENSE_CPU_MAX_SEQ, flash-style: the forward keeps
+    only the output and the per-row log-sum-exp; the backward recomputes
+    each query block's probabilities and adds its dK, dV into place, so time
+    and memory grow with the kept blocks, not with seq x seq."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lay, block, scale, causal, kpm, am):
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("inf"), dtype=q.dtype, device=q.device)  # +inf: a row with nothing
+        for i in range(lay.shape[1]):
+            tile = _row_tile(q, k, v, lay, i, block, scale, causal, kpm, am)
+            if tile is None:
+                continue
+            scores, _, _, vb = tile
+            out[:, :, i * block : (i + 1) * block] = torch.matmul(_softmax_rows(scores), vb)
+            row_lse = torch.logsumexp(scores, -1)
+            lse[:, :, i * block : (i + 1) * block] = torch.where(torch.isfinite(row_lse), row_lse, float("inf"))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (lay, block, scale, causal, kpm, am)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        lay, block, scale, causal, kpm, am = ctx.meta
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (dout * out).sum(-1)  # rowsum(dO * O)
+        for i in range(lay.shape[1]):
+            tile = _row_tile(q, k, v, lay, i, block, scale, causal, kpm, am)
+            if tile is None:
+                continue
+            scores, idx, kb, vb = tile
+            rows = slice(i * block, (i + 1) * block)
+            p = torch.exp(scores - lse[:, :, rows, None])  # masked (-inf) and empty rows (+inf lse) give 0
+            do = dout[:, :, rows]
+            dv.scatter_add_(2, idx, torch.matmul(p.transpose(-1, -2), do))
+            ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[:, :, rows, None])
+            dq[:, :, rows] = torch.matmul(ds, kb) * scale
+            dk.scatter_add_(2, idx, torch.matmul(ds.transpose(-1, -2), q[:, :, rows]) * scale)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _blocked_attention(q, k, v, layout, block, scale, causal, kpm, am) -> Tensor:
+    return _BlockedAttention.apply(q, k, v, layout.to(torch.bool), block, scale, causal, kpm, am)
 
 
 # The Triton path as torch.library custom ops with fake (meta) implementations
