@@ -29,6 +29,17 @@ class CommEvent:
     nbytes: int  # bytes of the input tensor
     launched: float  # time.perf_counter() at launch
     done: float | None = None  # when the collective completed (seen by a callback or the wait)
+    world_size: int = 1
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends with the bandwidth-optimal (ring) algorithm:
+        what compressing a collective saves is counted in these."""
+        w = self.world_size
+        if w == 1:
+            return 0.0
+        return self.nbytes * {"all_reduce": 2 * (w - 1) / w, "reduce_scatter": (w - 1) / w,
+                              "all_to_all": (w - 1) / w, "all_gather": w - 1, "broadcast": 1}[self.op]  # fmt: skip
 
 
 class Handle:
@@ -68,7 +79,7 @@ class Comm:
         self.recording = True
 
     def _event(self, op: str, tag: str, t: Tensor) -> CommEvent:
-        event = CommEvent(op, tag, t.numel() * t.element_size(), time.perf_counter())
+        event = CommEvent(op, tag, t.numel() * t.element_size(), time.perf_counter(), world_size=self.world_size)
         if self.recording:
             self.record.append(event)
         return event
@@ -100,6 +111,15 @@ class Comm:
                 out.copy_(inp)
             return Handle(None, event)
         return Handle(_all_gather(out, inp, group=self.group, async_op=True), event)
+
+    def all_to_all(self, out: Tensor, inp: Tensor, tag: str = "") -> Handle:
+        """Rank r's `inp` chunk j (world_size equal chunks) lands in rank j's
+        `out` chunk r."""
+        event = self._event("all_to_all", tag, inp)
+        if self._local():
+            out.copy_(inp)
+            return Handle(None, event)
+        return Handle(dist.all_to_all_single(out, inp, group=self.group, async_op=True), event)
 
     def broadcast(self, t: Tensor, src: int = 0, tag: str = "") -> Handle:
         event = self._event("broadcast", tag, t)

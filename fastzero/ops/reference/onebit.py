@@ -1,0 +1,46 @@
+r"""1-bit compression with error feedback (1-bit Adam's), the reference.
+
+Per chunk of n elements, with the error carried over from the last call:
+
+.. math::
+    y = x + e;\quad s = \lVert y \rVert_2 / \sqrt{n};\quad
+    b_i = [y_i \ge 0];\quad e' = y - s\,(2b - 1)
+
+The sign bits are packed eight to a byte, element i of the chunk in bit
+``i % 8`` of byte ``i // 8``. ``decompress`` gives ``s (2b - 1)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_signs(y: Tensor) -> Tensor:
+    """[..., 8k] -> uint8 [..., k]: bit j of byte i is y[8i + j] >= 0."""
+    bits = (y >= 0).reshape(*y.shape[:-1], -1, 8).to(torch.uint8)
+    return (bits * _BITS.to(y.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: Tensor) -> Tensor:
+    """uint8 [..., k] -> fp32 [..., 8k] of +-1."""
+    bits = (packed[..., None] & _BITS.to(packed.device)) != 0
+    return bits.reshape(*packed.shape[:-1], -1).to(torch.float32) * 2 - 1
+
+
+def compress(x: Tensor, error: Tensor, chunks: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed signs uint8 [numel / 8], scales fp32 [chunks], new error) for
+    fp32 `x` and `error` whose numel is a multiple of 8 * chunks."""
+    y = (x.float() + error.float()).reshape(chunks, -1)
+    scales = torch.linalg.vector_norm(y, dim=1) / y.shape[1] ** 0.5
+    signs = torch.where(y >= 0, 1.0, -1.0)
+    new_error = (y - scales[:, None] * signs).reshape(x.shape)
+    return pack_signs(y).reshape(-1), scales, new_error
+
+
+def decompress(packed: Tensor, scales: Tensor) -> Tensor:
+    """fp32 [numel]: each chunk's signs times its scale."""
+    signs = unpack_signs(packed.reshape(scales.numel(), -1))
+    return (signs * scales[:, None]).reshape(-1)
