@@ -38,7 +38,6 @@ class BufferPool:
         self.free: list[Tensor] = []
         self.scratch: dict[int, Tensor] = {}  # per buffer, a chunk for accumulating results (made when needed)
         self.in_flight: deque[tuple[GradReducer, int]] = deque()
-        self.allocated = 0
 
     def take(self, numel: int) -> Tensor:
         while True:
@@ -49,7 +48,6 @@ class BufferPool:
                 break
             reducer, index = self.in_flight.popleft()
             reducer.complete(index)
-        self.allocated += 1
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
     def prune(self) -> None:

@@ -76,12 +76,10 @@ class Comm:
         nccl = self.distributed and dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.record: deque[CommEvent] = deque(maxlen=record_limit)  # the latest collectives
-        self.recording = True
 
     def _event(self, op: str, tag: str, t: Tensor) -> CommEvent:
         event = CommEvent(op, tag, t.numel() * t.element_size(), time.perf_counter(), world_size=self.world_size)
-        if self.recording:
-            self.record.append(event)
+        self.record.append(event)
         return event
 
     def _local(self) -> bool:

@@ -190,7 +190,6 @@ class ParamFetcher:
             g.on_released = self._released
         self.needs: dict[torch.nn.Module, list[Unit]] = {}
         self.names = {m: n for n, m in module.named_modules()}
-        self.handles = []
         for m in module.modules():
             m.__dict__["_fz_fetcher"] = self  # for fastzero.zero.register_external_parameter after initialize
             used = [*m._parameters.values(), *m.__dict__.get("_fz_external", [])]
@@ -212,11 +211,9 @@ class ParamFetcher:
             self.needs[m] = list({id(u): u for u in self.needs[m] + units}.values())
             return
         self.needs[m] = units
-        self.handles += [
-            m.register_forward_pre_hook(lambda mod, _args: self._before(mod, forward=True)),
-            m.register_forward_hook(lambda mod, _args, _out: self._after_forward(mod)),
-            m.register_full_backward_pre_hook(lambda mod, _grad: self._before(mod, forward=False)),
-        ]
+        m.register_forward_pre_hook(lambda mod, _args: self._before(mod, forward=True))
+        m.register_forward_hook(lambda mod, _args, _out: self._after_forward(mod))
+        m.register_full_backward_pre_hook(lambda mod, _grad: self._before(mod, forward=False))
 
     def register_external(self, module: torch.nn.Module, param: Tensor) -> None:
         unit = self.unit_of.get(id(param))
