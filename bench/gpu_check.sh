@@ -70,7 +70,8 @@ assert ok, why
 print('CUDA kernels ready')
 "
   step tests_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/
-  step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sparse_attention.py
+  step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sparse_attention.py \
+    tests/test_onebit_triton.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
   step bench_sparse_attention "$PY" -m bench.run --kernel sparse_attention --device cuda --quick \

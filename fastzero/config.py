@@ -116,10 +116,12 @@ OPTIMIZER_PARAMS = {
         bias_correction=True,
         eps_inside_sqrt=False,
         max_grad_norm=0.0,
+        comm_backend_name="",  # DeepSpeed's backend choice: accepted and ignored, any torch.distributed backend works
+        cuda_aware=False,
     ),  # fmt: skip
 }
 OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam"}
-OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam", "comm_backend_name")
+OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam")
 
 SCHEDULER_PARAMS = {
     # DeepSpeed's defaults (deepspeed/runtime/lr_schedules.py); None = required
@@ -279,7 +281,7 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
         raise _unknown("optimizer.type = ", opt.type, list(OPTIMIZER_NAMES.values()), "optimizer")
     allowed = OPTIMIZER_PARAMS[key]
     for name in opt.params:
-        if name in OPTIMIZER_UNSUPPORTED_PARAMS:
+        if name in OPTIMIZER_UNSUPPORTED_PARAMS or (name == "comm_backend_name" and key != "onebitadam"):
             raise ConfigNotSupported(f"optimizer.params.{name}: not supported by fastzero's {OPTIMIZER_NAMES[key]}")
         if name not in allowed:
             raise _unknown(f"optimizer.params ({OPTIMIZER_NAMES[key]}).", name, list(allowed))
@@ -291,12 +293,19 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
             if not pair or not all(_is_number(b) and 0 <= b < 1 for b in value):
                 raise ConfigError(f"{path} = {value!r}: must be two numbers in [0, 1)")
             params[name] = tuple(float(b) for b in value)
+        elif isinstance(allowed[name], str):
+            params[name] = str(value)
         elif isinstance(allowed[name], bool):
             params[name] = _check_value(path, value, dict(kind="bool"))
         elif isinstance(allowed[name], int):
             params[name] = _check_value(path, value, dict(kind="int", low=0))
         else:
             params[name] = _check_value(path, value, dict(kind="float", low=0.0))
+    if key == "onebitadam" and params["freeze_step"] < 1:
+        raise ConfigError(
+            f"optimizer.params.freeze_step = {params['freeze_step']}: must be >= 1, the uncompressed warm-up steps "
+            "whose variance 1-bit Adam then freezes"
+        )
     return replace(opt, type=OPTIMIZER_NAMES[key], params=params)
 
 
@@ -384,10 +393,12 @@ def _check_combinations(cfg: Config) -> None:
             "and stages 1-2 partition flat buffers; use stage 0, or Adam/AdamW"
         )
     if cfg.optimizer.type == "OneBitAdam" and zero.stage > 1:
-        raise ConfigError(
-            f"OneBitAdam works with zero_optimization.stage 0 or 1 (stage is {zero.stage}): its compressed momentum "
-            "exchange needs whole gradients on every rank"
+        raise ConfigNotSupported(
+            f"OneBitAdam works with zero_optimization.stage 0 or 1 (stage is {zero.stage}): after freeze_step each "
+            "rank needs its whole local gradient, which stages 2-3 reduce and free during backward"
         )
+    if cfg.optimizer.type == "OneBitAdam" and zero.offload_optimizer.device != "none":
+        raise ConfigNotSupported("OneBitAdam with offload_optimizer: its compressed step runs where the params are")
 
 
 def load_config(config: str | Path | dict, world_size: int = 1) -> Config:

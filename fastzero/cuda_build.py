@@ -13,7 +13,7 @@ driver (``libcuda.so.1``) only when a kernel is launched.
 
 Each source is compiled by one nvcc process for every architecture (nvcc's
 ``--threads`` compiles the architectures in parallel) and the sources run in
-parallel too; no ninja: there are four sources, and the cache key already
+parallel too; no ninja: there are five sources, and the cache key already
 covers every input.
 """
 
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 LIBRARY = "libfastzero_cuda.so"
-SOURCES = ("common.cu", "multi_tensor_adam.cu", "multi_tensor_l2norm.cu", "multi_tensor_lamb.cu")
+SOURCES = ("common.cu", "multi_tensor_adam.cu", "multi_tensor_l2norm.cu", "multi_tensor_lamb.cu", "onebit.cu")
 HEADER_SUFFIXES = (".cuh", ".h")
 # A100 and H100/H200: SASS for each (Ampere's also runs on sm_86/sm_89).
 ARCHS = ("80", "90")

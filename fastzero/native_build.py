@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 MODULE = "_cpu_ops"
-SOURCES = ("adam.cpp", "lamb.cpp", "stream.cpp", "cpu_features.cpp", "bindings.cpp")
+SOURCES = ("adam.cpp", "lamb.cpp", "onebit.cpp", "stream.cpp", "cpu_features.cpp", "bindings.cpp")
 # No -march=native: the kernels pick their instruction set at run time.
 CXXFLAGS = (
     "-O3",

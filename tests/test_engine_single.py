@@ -124,7 +124,8 @@ def test_tensorboard_logs_deepspeed_tags(tmp_path):
          "trust ratio"),
         (dict(config=cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}})), ConfigError,
          "offload_param needs offload_optimizer"),
-        (dict(config=cfg(optimizer={"type": "OneBitAdam"})), ConfigNotSupported, "OneBitAdam"),
+        (dict(config=cfg(optimizer={"type": "OneBitAdam"}, zero_optimization={"stage": 2})), ConfigNotSupported,
+         "OneBitAdam works with zero_optimization.stage 0 or 1"),
         (dict(config=cfg(optimizer={"type": "AdamW", "params": {"lr": -1}})), ConfigError, "lr = -1"),
     ],
 )  # fmt: skip

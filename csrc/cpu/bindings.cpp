@@ -10,6 +10,7 @@
 
 #include "adam.h"
 #include "lamb.h"
+#include "onebit.h"
 #include "stream.h"
 
 namespace py = pybind11;
@@ -120,6 +121,29 @@ void stream_update(int isa, const std::vector<uintptr_t>& a, const std::vector<u
   fz::stream_update(checked, a, b, c, d, numel, float(s), num_threads);
 }
 
+void onebit_pack(int isa, uintptr_t x, int x_dtype, uintptr_t error, uintptr_t bits, uintptr_t scales,
+                 int64_t numel, int64_t chunks, int num_threads) {
+  if (chunks < 1 || numel < 0 || numel % (8 * chunks) != 0)
+    throw std::invalid_argument("onebit_pack: " + std::to_string(numel) + " elements do not split into " +
+                                std::to_string(chunks) + " chunks of whole bytes");
+  if (x_dtype < fz::kF32 || x_dtype > fz::kBF16)
+    throw std::invalid_argument("onebit_pack: bad dtype code " + std::to_string(x_dtype));
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::onebit_pack(checked, reinterpret_cast<const void*>(x), x_dtype, reinterpret_cast<float*>(error),
+                  reinterpret_cast<uint8_t*>(bits), reinterpret_cast<float*>(scales), numel, chunks, num_threads);
+}
+
+void onebit_unpack(int isa, uintptr_t bits, uintptr_t scales, uintptr_t out, int64_t rows, int64_t row_bytes,
+                   bool average, int num_threads) {
+  if (rows < 1 || row_bytes < 0)
+    throw std::invalid_argument("onebit_unpack: need rows >= 1 and row_bytes >= 0");
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::onebit_unpack(checked, reinterpret_cast<const uint8_t*>(bits), reinterpret_cast<const float*>(scales),
+                    reinterpret_cast<float*>(out), rows, row_bytes, average, num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_ops, m) {
@@ -130,6 +154,9 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.def("lamb_grad_sumsq", &lamb_grad_sumsq, "LAMB pass 0: sum of squares of the scaled grads.");
   m.def("lamb_norms", &lamb_norms, "LAMB pass 1: update m, v; per tensor sum p^2 and sum u^2.");
   m.def("lamb_apply", &lamb_apply, "LAMB pass 2: p += scale * u, and the low-precision copy.");
+  m.def("onebit_pack", &onebit_pack,
+        "1-bit pack: y = x + error; per-chunk scale, sign bits, new error (see csrc/cpu/onebit.h).");
+  m.def("onebit_unpack", &onebit_unpack, "1-bit unpack: signs times scales, per row or averaged over rows.");
   m.def("stream_update", &stream_update,
         "Bandwidth probe: a += s*b, c += s*b, d += s*b over lists of fp32 tensors.");
 }

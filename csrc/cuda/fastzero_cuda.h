@@ -29,8 +29,9 @@ extern "C" {
 
 #define FZ_API __attribute__((visibility("default")))
 
-/* Bumped whenever a signature below changes; Python refuses a mismatch. */
-#define FZ_CUDA_ABI_VERSION 1
+/* Bumped whenever an entry point below is added or its signature changes;
+ * Python refuses a mismatch. 2: the 1-bit pack and unpack. */
+#define FZ_CUDA_ABI_VERSION 2
 
 enum {
   FZ_OK = 0,
@@ -84,6 +85,25 @@ FZ_API int fz_cuda_lamb(void* const* p, void* const* g, void* const* m, void* co
                         const float* clip, const float* found_inf, double* partials,
                         int64_t partials_len, double* ratio_scratch, float* coeffs_out,
                         void* stream);
+
+/* 1-bit compression with error feedback (1-bit Adam's),
+ * fastzero/ops/reference/onebit.py. Over `chunks` chunks of len = numel /
+ * chunks elements (a multiple of 8): y = x + error; scales[c] =
+ * sqrt(sum(y^2) / len) (sums in fp64, in a fixed order); bit i % 8 of byte
+ * i / 8 of the chunk's bits is y_i >= 0; error = y - (bit ? scale : -scale).
+ * x: fp32/fp16/bf16 (x_dtype); error fp32, updated in place; bits numel / 8
+ * bytes; scales `chunks` floats. partials: fp64 scratch of chunks *
+ * ceil(len / fz_cuda_chunk_elems()) values. */
+FZ_API int fz_cuda_onebit_pack(const void* x, int x_dtype, float* error, uint8_t* bits, float* scales,
+                               int64_t numel, int64_t chunks, double* partials, int64_t partials_len,
+                               void* stream);
+
+/* `rows` rows of row_bytes bytes of sign bits, one fp32 scale each, to fp32.
+ * average == 0: out[r * 8 * row_bytes + i] = scales[r] * (bit i of row r ?
+ * 1 : -1); nonzero: out[i] = (the fp32 sum over rows, in row order, of
+ * scales[r] * sign) / rows, 8 * row_bytes elements. */
+FZ_API int fz_cuda_onebit_unpack(const uint8_t* bits, const float* scales, float* out, int64_t rows,
+                                 int64_t row_bytes, int average, void* stream);
 
 #ifdef __cplusplus
 }

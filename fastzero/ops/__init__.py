@@ -1,12 +1,13 @@
 """fastzero's public kernel API: each op picks the fastest backend it has
 (FASTZERO_BACKEND forces one) and says which ran."""
 
-from fastzero.ops import reference
+from fastzero.ops import onebit, reference
 from fastzero.ops.backend import backends, report
 from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
 from fastzero.ops.cpu_lamb import cpu_lamb_step
 from fastzero.ops.fused_adam import FusedAdam
 from fastzero.ops.fused_lamb import FusedLamb
+from fastzero.ops.onebit_adam import OneBitAdam
 from fastzero.ops.sparse_attention import (
     SparseAttention,
     block_sparse_attention,
@@ -26,6 +27,6 @@ from fastzero.ops.sparsity_config import (
 __all__ = [
     "BSLongformerSparsityConfig", "BigBirdSparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig",
     "LocalSlidingWindowSparsityConfig", "SparsityConfig", "VariableSparsityConfig",
-    "CPUAdam", "FusedAdam", "FusedLamb", "SparseAttention", "backends", "cpu_adam_step", "cpu_lamb_step",
-    "block_sparse_attention", "pad_to_block_size", "reference", "report", "unpad_sequence_output",
+    "CPUAdam", "FusedAdam", "FusedLamb", "OneBitAdam", "SparseAttention", "backends", "cpu_adam_step", "cpu_lamb_step",
+    "block_sparse_attention", "onebit", "pad_to_block_size", "reference", "report", "unpad_sequence_output",
 ]  # fmt: skip

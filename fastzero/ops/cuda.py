@@ -1,4 +1,4 @@
-"""The CUDA backend of the optimizer ops: Python side of csrc/cuda.
+"""The CUDA backend of the optimizer ops and of 1-bit compression: Python side of csrc/cuda.
 
 Python owns the tensors: every check (device, dtype, contiguity, sizes)
 happens here, before a pointer reaches the kernels' C ABI
@@ -33,12 +33,13 @@ from fastzero.checks import check_adam_hyperparams, check_device_step, check_lam
 # Dtype codes shared with csrc/cuda/common.cuh (and csrc/cpu/common.h).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 NO_DTYPE = -1
-ABI_VERSION = 1  # FZ_CUDA_ABI_VERSION of fastzero_cuda.h
+ABI_VERSION = 2  # FZ_CUDA_ABI_VERSION of fastzero_cuda.h
 
 _ADAM_CPU_HINT = (
     "; for CPU tensors use fastzero.ops.CPUAdam (or cpu_adam_step), or FusedAdam, which takes its CPU path for them"
 )
 _LAMB_CPU_HINT = "; for CPU tensors use fastzero.ops.FusedLamb, which takes its CPU path for them"
+_ONEBIT_CPU_HINT = "; for CPU tensors use fastzero.ops.onebit.pack and unpack, which take their CPU path for them"
 
 _VP, _I, _I64, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
 _PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
@@ -58,6 +59,8 @@ _SIGNATURES = {
         [_PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _I64S, _I64S, _I, _I, _I, _I, _I, _VP, _D, _D, _D, _D, _I, _D, _I, _D,
          _D, _VP, _VP, _VP, _VP, _I64, _VP, _VP, _VP],
     ),
+    "fz_cuda_onebit_pack": (_I, [_VP, _I, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP]),
+    "fz_cuda_onebit_unpack": (_I, [_VP, _VP, _VP, _I64, _I64, _I, _VP]),
 }  # fmt: skip
 
 
@@ -171,6 +174,27 @@ def _check_rc(lib: ctypes.CDLL, rc: int, op: str) -> None:
 
 # ---------------------------------------------------------------------------
 # Checks: everything the kernels assume, before any pointer crosses.
+
+
+def _check_flat(op: str, tensors: dict[str, Tensor], dtypes: dict[str, tuple], hint: str) -> torch.device:
+    """The 1-D buffers of a onebit op: tensors, on one CUDA device (the
+    first's), contiguous, of the dtypes allowed. Returns the device."""
+    device = None
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{op}: {name} is on {t.device}; this op takes cuda tensors{hint}")
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {device}; one call, one device")
+        if t.dtype not in dtypes[name]:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes[name])
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: {allowed}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} is not contiguous; pass t.contiguous() (the kernel uses its memory as is)")
+    return device
 
 
 # ---------------------------------------------------------------------------
@@ -360,3 +384,73 @@ def lamb_step(
                 partials.data_ptr(), 2 * chunks, ratio.data_ptr(), coeffs_out.data_ptr(), stream,
             )  # fmt: skip
             _check_rc(lib, rc, op)
+
+
+def onebit_pack(x: Tensor, error: Tensor, bits: Tensor, scales: Tensor, chunks: int) -> None:
+    r"""1-bit compression with error feedback of CUDA tensors, in place:
+    :func:`fastzero.ops.reference.onebit.compress`'s math. Over ``chunks``
+    chunks of ``len = x.numel() / chunks`` elements (a multiple of 8):
+
+    .. math::
+        y = x + e;\quad s_c = \sqrt{\textstyle\sum y^2 / len};\quad
+        b_i = [y_i \ge 0];\quad e \leftarrow y - s_c (2b - 1)
+
+    ``x`` fp32/fp16/bf16; ``error`` fp32 with x's elements, updated in
+    place; ``bits`` uint8 (x.numel() / 8: element i of a chunk in bit i % 8
+    of byte i // 8 of the chunk's bytes) and ``scales`` fp32 (``chunks``) are
+    written. Sums of squares in fp64, in a fixed order (deterministic). The
+    work is enqueued on the current CUDA stream; nothing waits for it.
+    """
+    op = "onebit_pack"
+    tensors = {"x": x, "error": error, "bits": bits, "scales": scales}
+    dtypes = {"x": tuple(DTYPE_CODES), "error": (torch.float32,), "bits": (torch.uint8,), "scales": (torch.float32,)}
+    device = _check_flat(op, tensors, dtypes, _ONEBIT_CPU_HINT)
+    numel = x.numel()
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{op}: chunks must be an int >= 1, got {chunks!r}")
+    if numel % (8 * chunks):
+        raise ValueError(f"{op}: {numel} elements do not split into {chunks} chunks of whole bytes (8 elements)")
+    for name, t, want in (("error", error, numel), ("bits", bits, numel // 8), ("scales", scales, chunks)):
+        if t.numel() != want:
+            raise ValueError(f"{op}: {name} has {t.numel()} elements, {want} needed (x has {numel} in {chunks} chunks)")
+    lib = _lib(op)
+    tiles = _num_chunks(numel // chunks, lib.fz_cuda_chunk_elems())
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        # Scratch on the current stream: reused only by work queued after the kernels.
+        partials = torch.empty(max(chunks * tiles, 1), dtype=torch.float64, device=device)
+        rc = lib.fz_cuda_onebit_pack(
+            x.data_ptr(), DTYPE_CODES[x.dtype], error.data_ptr(), bits.data_ptr(), scales.data_ptr(), numel, chunks,
+            partials.data_ptr(), chunks * tiles, stream,
+        )  # fmt: skip
+        _check_rc(lib, rc, op)
+
+
+def onebit_unpack(bits: Tensor, scales: Tensor, out: Tensor, average: bool) -> None:
+    """Sign bits back to fp32 values on CUDA tensors:
+    :func:`fastzero.ops.reference.onebit.decompress`'s math. ``bits`` uint8
+    holds one row of K bytes per element of ``scales`` (fp32, R rows). With
+    ``average=False`` ``out`` (fp32, R * 8K) gets each row's signs times its
+    scale; with ``average=True`` ``out`` (fp32, 8K) gets their mean over the
+    rows (an fp32 sum in row order, divided by R). Enqueued on the current
+    CUDA stream; nothing waits for it.
+    """
+    op = "onebit_unpack"
+    tensors = {"bits": bits, "scales": scales, "out": out}
+    dtypes = {"bits": (torch.uint8,), "scales": (torch.float32,), "out": (torch.float32,)}
+    device = _check_flat(op, tensors, dtypes, _ONEBIT_CPU_HINT)
+    rows = scales.numel()
+    if rows == 0 or bits.numel() % rows:
+        raise ValueError(f"{op}: {bits.numel()} bytes of bits do not split into {rows} rows (one per scale)")
+    row_bytes = bits.numel() // rows
+    want = 8 * row_bytes * (1 if average else rows)
+    if out.numel() != want:
+        raise ValueError(f"{op}: out has {out.numel()} elements, {want} needed ({rows} rows of {row_bytes} bytes"
+                         f"{', averaged' if average else ''})")  # fmt: skip
+    lib = _lib(op)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        rc = lib.fz_cuda_onebit_unpack(
+            bits.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, row_bytes, int(bool(average)), stream
+        )
+        _check_rc(lib, rc, op)

@@ -54,6 +54,30 @@ def _state(engine, opt_param: torch.Tensor) -> dict[str, torch.Tensor]:
             "exp_avg_sq": state["exp_avg_sq"].reshape(-1)}  # fmt: skip
 
 
+def _onebit_state(engine) -> dict | None:
+    """1-bit Adam's error-feedback buffers on this rank (the optimizer's at
+    stage 0, the groups' at stage 1): per-rank state, like the RNG."""
+    if not getattr(engine, "onebit", False):
+        return None
+    groups = [None if g.compress_error is None else g.compress_error.cpu() for g in engine.groups]
+    return {"stage": engine.stage, "optimizer": engine.optimizer.error_state(), "groups": groups}
+
+
+def _load_onebit_state(engine, saved: dict | None, same_world: bool) -> None:
+    if not getattr(engine, "onebit", False):
+        return
+    restored = same_world and saved is not None and saved["stage"] == engine.stage
+    restored = restored and engine.optimizer.load_error_state(saved["optimizer"])
+    if not restored:
+        engine.optimizer.load_error_state(None)
+    for g, error in zip(engine.groups, saved["groups"] if restored else [None] * len(engine.groups)):
+        g.compress_error = None if error is None else error.to(g.device)
+    had_errors = saved is not None and (saved["optimizer"]["errors"] or any(e is not None for e in saved["groups"]))
+    if not restored and had_errors:
+        warnings.warn("1-bit Adam: the checkpoint's error-feedback buffers are for another world size or stage; "
+                      "they restart from zero (a one-time, bounded perturbation)", stacklevel=4)  # fmt: skip
+
+
 def _write(path: Path, obj: Any) -> None:
     torch.save(obj, path)
     with open(path, "rb") as f:
@@ -82,7 +106,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
             tensors = {k: v[off : off + hi - lo].detach().float().cpu().clone()  # a clone: not the whole storage
                        for k, v in _state(engine, opt_param).items()}  # fmt: skip
             pieces.append({"name": name, "lo": lo, "hi": hi, **tensors})
-    _write(tmp / _rank_file(comm.rank), {"pieces": pieces, "rng": torch.get_rng_state()})
+    own = {"pieces": pieces, "rng": torch.get_rng_state(), "onebit": _onebit_state(engine)}
+    _write(tmp / _rank_file(comm.rank), own)
     index = [[p["name"], p["lo"], p["hi"]] for p in pieces]
     indexes = _all_gather_objects(comm, index)
     comm.barrier()
@@ -223,8 +248,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         wanted.setdefault(name, []).append((lo, hi))
     pieces = _pieces(path, manifest, wanted)
     extra = _load(path / "extra.pt", weights_only=False)  # client state may hold any object
-    rank_file = path / _rank_file(engine.comm.rank)
-    rng = _load(rank_file)["rng"] if manifest["world_size"] == engine.comm.world_size else None
+    same_world = manifest["world_size"] == engine.comm.world_size
+    own_file = _load(path / _rank_file(engine.comm.rank)) if same_world else {}
+    rng = own_file.get("rng")
     # everything is read and checked: now change the engine
     keys = ("master", "exp_avg", "exp_avg_sq") if load_optimizer_states else ("master",)
     with torch.no_grad():
@@ -249,6 +275,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         for h in handles:
             h.wait()
         engine.module.load_state_dict(extra["module_state"], strict=False)
+        if load_optimizer_states:
+            _load_onebit_state(engine, own_file.get("onebit"), same_world)
     if load_lr_scheduler_states and engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
     if engine.loss_scaler is not None and manifest["loss_scaler"] is not None:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from fastzero.comm import Comm, dist_env, init_distributed
 from fastzero.config import Config, ConfigError, load_config
+from fastzero.ops import OneBitAdam
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
@@ -98,6 +99,10 @@ class Engine:
             self.fetcher = None
         self.optimizer = build_optimizer(cfg, groups, [g.optimizer_params() for g in self.groups], optimizer,
                                          master_weights=self.dtype != torch.float32)  # fmt: skip
+        self.onebit = isinstance(self.optimizer, OneBitAdam)
+        if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
+            self.optimizer.managed, self.optimizer.comm = True, self.comm
+            self.optimizer.exchange_momentum = self.stage == 0
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = loss_scaler_from_config(cfg.fp16) if cfg.fp16.enabled else None
         self._hooks = [
@@ -214,8 +219,9 @@ class Engine:
         self.last_loss = loss.detach()
         boundary = self.is_gradient_accumulation_boundary()
         first = self.micro_steps % self.gradient_accumulation_steps() == 0
+        reduce = boundary and not self._compressing()  # past 1-bit Adam's freeze_step, grads stay local
         for group in self.groups:
-            group.begin_backward(first, boundary)
+            group.begin_backward(first, reduce)
         if self.loss_scaler is not None:
             loss = loss.float() * self.loss_scaler.loss_scale
         with warnings.catch_warnings():
@@ -240,18 +246,25 @@ class Engine:
         if any(g.unreduced() for g in self.groups):
             raise RuntimeError("gradients were not reduced: call engine.backward(loss), not loss.backward()")
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        divisor = scale * self.comm.world_size * self.gradient_accumulation_steps()
+        compressing = self._compressing()
+        # local grads (1-bit Adam past freeze_step) are averaged over ranks by the compressed exchange
+        divisor = scale * (1 if compressing else self.comm.world_size) * self.gradient_accumulation_steps()
         clip = self.config.gradient_clipping
         self.grad_norm = None
         if clip > 0 or self.loss_scaler is not None or self.monitor.wants(self.global_steps + 1):
-            self.grad_norm = self._grad_norm() / divisor
+            self.grad_norm = (self._local_grad_norm() if compressing else self._grad_norm()) / divisor
         overflow = self.grad_norm is not None and not math.isfinite(self.grad_norm)
         if overflow:
             self.skipped_steps += 1
             self.monitor.log(f"step {self.global_steps + 1}: gradient overflow (loss scale {scale:g}), step skipped")
         else:
             coef = clip / (self.grad_norm + 1e-6) if clip > 0 and self.grad_norm > clip else 1.0
-            self.optimizer.step(grad_scale=divisor / coef)
+            if compressing and self.stage == 1:  # the compressed reduce-scatter delivers averaged, unscaled grads
+                for g in self.groups:
+                    g.compressed_reduce(divisor / coef)
+                self.optimizer.step(grad_scale=1.0)
+            else:
+                self.optimizer.step(grad_scale=divisor / coef)
             handles = [h for g in self.groups for h in g.gather()]
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -274,6 +287,17 @@ class Engine:
         if self.stage >= 1:
             (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq) if sumsq >= 0 else float("nan")
+
+    def _compressing(self) -> bool:
+        return self.onebit and self.optimizer.compressing
+
+    def _local_grad_norm(self) -> float:
+        """1-bit Adam past freeze_step: the root mean square over ranks of
+        each rank's local gradient norm (one tiny all-reduce; non-finite on
+        any rank makes it non-finite everywhere)."""
+        sumsq = sum(float(torch.linalg.vector_norm(g.flat_grad, dtype=torch.float32) ** 2) for g in self.groups)
+        (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
+        return math.sqrt(sumsq / self.comm.world_size) if sumsq >= 0 else float("nan")
 
     def zero_grad(self) -> None:
         """Gradients are zeroed by the engine after each step; kept for
@@ -311,6 +335,9 @@ class Engine:
         for g in self.groups:
             for key, value in g.memory().items():
                 out[key] = out.get(key, 0) + value
+        if self.onebit:  # error feedback: the optimizer's (stage 0) or the groups' (stage 1)
+            groups = sum(nbytes(g.compress_error) for g in self.groups if g.compress_error is not None)
+            out["compression_errors"] = self.optimizer.error_bytes() + groups
         for state in () if offloaded is not None else self.optimizer.state.values():
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:

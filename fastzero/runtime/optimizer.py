@@ -10,18 +10,23 @@ import torch
 from torch import Tensor
 
 from fastzero.config import Config, ConfigError, ConfigNotSupported
-from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
+from fastzero.ops import CPUAdam, FusedAdam, FusedLamb, OneBitAdam
 from fastzero.runtime.offload import OffloadedAdam
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
 _LAMB_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_grad_norm", "max_coeff", "min_coeff",
               "eps_inside_sqrt")  # fmt: skip
+_ONEBIT_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+_ONEBIT_IGNORED = ("comm_backend_name", "cuda_aware")  # DeepSpeed's backend flags: any torch.distributed backend works
 
 
 def _from_client(client: torch.optim.Optimizer) -> tuple[type, dict, list[dict]]:
     """(fastzero class, constructor kwargs, per-group hyperparameters) that
     reproduce `client`'s math."""
     groups = client.param_groups
+    if isinstance(client, OneBitAdam):
+        kwargs = dict(freeze_step=client.freeze_step, max_grad_norm=client.max_grad_norm)
+        return OneBitAdam, kwargs, [{k: g[k] for k in _ONEBIT_KEYS if k in g} for g in groups]
     if isinstance(client, FusedLamb):
         return FusedLamb, {}, [{k: g[k] for k in _LAMB_KEYS if k in g} for g in groups]
     if isinstance(client, (FusedAdam, CPUAdam)):
@@ -59,24 +64,31 @@ def build_optimizer(cfg: Config, groups: list[dict], shard_params: list[list[Ten
     else:
         params = dict(opt.params)
         if opt.type == "OneBitAdam":
-            raise ConfigNotSupported("optimizer.type = 'OneBitAdam': not in this fastzero version yet")
-        if opt.type == "Lamb":
+            cls = OneBitAdam
+            for key in _ONEBIT_IGNORED:
+                params.pop(key, None)
+        elif opt.type == "Lamb":
             cls = FusedLamb
         else:
             cls = FusedAdam
             params["adam_w_mode"] = params.pop("adam_w_mode", True) if opt.type == "Adam" else True
         kwargs = params
-        keys = _LAMB_KEYS if cls is FusedLamb else ("lr", "betas", "eps", "weight_decay")
+        keys = {FusedLamb: _LAMB_KEYS, OneBitAdam: _ONEBIT_KEYS}.get(cls, ("lr", "betas", "eps", "weight_decay"))
         hypers = [{k: g[k] for k in keys if k in g} for g in groups]  # per-group overrides of the config
     if cls is FusedLamb and cfg.zero_optimization.stage >= 1:
         raise ConfigNotSupported(
             f"Lamb with zero_optimization.stage {cfg.zero_optimization.stage}: its trust ratio needs each param "
             "whole, and stages 1-2 partition flat buffers; use stage 0 (or Adam/AdamW)"
         )
+    if cls is OneBitAdam and cfg.zero_optimization.stage >= 2:
+        raise ConfigNotSupported(
+            f"OneBitAdam with zero_optimization.stage {cfg.zero_optimization.stage}: after freeze_step each rank needs "
+            "its whole local gradient, which stages 2-3 reduce and free during backward; use stage 0 or 1"
+        )
     groups = [{**h, "params": p} for h, p in zip(hypers, shard_params)]
     offload = cfg.zero_optimization.offload_optimizer
     if offload.device == "cpu":
-        if cls is not FusedAdam:
+        if cls is not FusedAdam:  # OneBitAdam too: its compressed step runs where the params are
             raise ConfigNotSupported(f"offload_optimizer with {cls.__name__}: the CPU step is Adam/AdamW (CPUAdam)")
         if "adam_w_mode" in kwargs:
             kwargs["adamw_mode"] = kwargs.pop("adam_w_mode")

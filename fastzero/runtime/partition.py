@@ -21,6 +21,7 @@ from torch import Tensor
 
 from fastzero.comm.buckets import GradReducer, gather_params
 from fastzero.comm.collectives import Comm
+from fastzero.comm.compressed import compressed_reduce_scatter
 from fastzero.comm.layout import FlatLayout
 
 
@@ -44,6 +45,7 @@ class FlatGroup:
                                                               device=self.device)  # fmt: skip
         mode = "all_reduce" if stage == 0 else "reduce_scatter"
         self.reducer = GradReducer(comm, self.layout, mode, shard=self.grad_shard, flat=self.flat_grad, overlap=overlap)
+        self.compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major
         self.attach_grads()
 
     def _view(self, flat: Tensor, i: int) -> Tensor:
@@ -109,6 +111,23 @@ class FlatGroup:
     def grads(self) -> Tensor:
         """This rank's reduced gradient (summed over ranks, not yet averaged)."""
         return self.flat_grad if self.stage == 0 else self.grad_shard
+
+    def compressed_reduce(self, divisor: float) -> None:
+        """Stage 1 past 1-bit Adam's freeze_step: the grad shard becomes the
+        average over ranks of the local gradients / `divisor`, 1-bit
+        compressed on the way with error feedback. The flat gradient is laid
+        out rank-major first (rank r's chunks of every bucket back to back),
+        so the exchange is one all-to-all; the owner keeps the exact average
+        of what it receives (no second compression)."""
+        world, shard = self.comm.world_size, self.layout.shard_size
+        send = torch.empty(world * shard, dtype=torch.float32, device=self.device)
+        rows = send.view(world, shard)
+        for b in self.layout.buckets:
+            src = self.flat_grad[b.start : b.start + b.size].view(world, b.chunk)
+            torch.mul(src, 1.0 / divisor, out=rows[:, b.shard_start : b.shard_start + b.chunk])
+        if self.compress_error is None:
+            self.compress_error = torch.zeros_like(send)
+        self.grad_shard.copy_(compressed_reduce_scatter(send, self.compress_error, self.comm, tag="onebit"))
 
     def zero_grads(self) -> None:
         if self.flat_grad is not None:

@@ -1,0 +1,79 @@
+// CPU 1-bit pack and unpack (see onebit_kernel.inc for the loops) and their
+// multi-thread drivers: chunks are cut into segments that threads claim.
+#include "onebit.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <immintrin.h>
+#include <vector>
+
+#include "parallel.h"
+
+#define FZ_KERNEL_BODY "onebit_kernel.inc"
+#include "isa_regions.inc"
+
+namespace fz {
+namespace {
+
+#ifdef FZ_HAVE_X86_SIMD
+#define FZ_PICK(isa, name) ((isa) == kAvx512 ? &avx512::name : (isa) == kAvx2 ? &avx2::name : &scalar::name)
+#define FZ_PICK_CALL(isa, expr) ((isa) == kAvx512 ? avx512::expr : (isa) == kAvx2 ? avx2::expr : scalar::expr)
+#else
+#define FZ_PICK(isa, name) (&scalar::name)
+#define FZ_PICK_CALL(isa, expr) (scalar::expr)
+#endif
+
+bool known_isa(Isa isa) {
+#ifdef FZ_HAVE_X86_SIMD
+  return isa == kScalar || isa == kAvx2 || isa == kAvx512;
+#else
+  return isa == kScalar;
+#endif
+}
+
+}  // namespace
+
+bool onebit_pack(Isa isa, const void* x, int x_dtype, float* error, uint8_t* bits, float* scales,
+                 int64_t numel, int64_t chunks, int num_threads) {
+  if (!known_isa(isa) || chunks < 1 || numel % (8 * chunks) != 0) return false;
+  const auto sumsq = FZ_PICK_CALL(isa, pick_sumsq(x_dtype));
+  const auto signs = FZ_PICK_CALL(isa, pick_signs(x_dtype));
+  if (sumsq == nullptr || signs == nullptr) return false;
+  const int64_t len = numel / chunks, xs = x_dtype == kF32 ? 4 : 2;
+  // Segments never cross a chunk and start at multiples of kChunkElements
+  // within it, so each one writes whole bytes of bits.
+  const std::vector<Chunk> segs = make_chunks(std::vector<int64_t>(size_t(chunks), len));
+  auto x_at = [&](const Chunk& s) { return static_cast<const char*>(x) + (int64_t(s.tensor) * len + s.offset) * xs; };
+  auto at = [&](const Chunk& s) { return int64_t(s.tensor) * len + s.offset; };
+  std::vector<double> partial(segs.size(), 0.0);
+  parallel_chunks(segs, num_threads, [&](int64_t i) { partial[i] = sumsq(x_at(segs[i]), error + at(segs[i]), segs[i].count); });
+  std::vector<double> total(size_t(chunks), 0.0);
+  for (size_t i = 0; i < segs.size(); ++i) total[segs[i].tensor] += partial[i];  // in order: deterministic
+  for (int64_t c = 0; c < chunks; ++c) scales[c] = float(std::sqrt(total[c] / double(len)));
+  parallel_chunks(segs, num_threads, [&](int64_t i) {
+    const Chunk& s = segs[i];
+    signs(x_at(s), error + at(s), bits + at(s) / 8, s.count, scales[s.tensor]);
+  });
+  return true;
+}
+
+bool onebit_unpack(Isa isa, const uint8_t* bits, const float* scales, float* out, int64_t rows,
+                   int64_t row_bytes, bool average, int num_threads) {
+  if (!known_isa(isa) || rows < 1 || row_bytes < 0) return false;
+  const int64_t len = 8 * row_bytes;
+  if (average) {
+    const auto fn = FZ_PICK(isa, onebit_average);
+    for_each_segment({len}, num_threads, [&](size_t, int64_t off, int64_t n) {
+      fn(bits + off / 8, row_bytes, scales, rows, out + off, n);
+    });
+  } else {
+    const auto fn = FZ_PICK(isa, onebit_scale_signs);
+    for_each_segment(std::vector<int64_t>(size_t(rows), len), num_threads, [&](size_t r, int64_t off, int64_t n) {
+      fn(bits + int64_t(r) * row_bytes + off / 8, scales[r], out + int64_t(r) * len + off, n);
+    });
+  }
+  return true;
+}
+
+}  // namespace fz

@@ -1,0 +1,106 @@
+"""The 1-bit compression ops of 1-bit Adam: pack and unpack, on every backend.
+
+``pack`` adds the error carried over from the last call, takes one scale per
+chunk (``||y||_2 / sqrt(n)``), writes the sign bits eight to a byte (element i
+of a chunk in bit ``i % 8`` of byte ``i // 8``) and leaves the new error in
+place, in one kernel. ``unpack`` turns bits and scales back into values:
+either each row with its own scale (the gathered result) or the average of
+the rows (the server's average of what every worker sent). The math is
+:mod:`fastzero.ops.reference.onebit`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import Tensor
+
+from fastzero.ops import native
+from fastzero.ops.backend import device_backend
+from fastzero.ops.reference import onebit as ref
+
+_PACK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _backend(op: str, device: torch.device, force: str | None) -> str:
+    return device_backend(op, device.type, force)
+
+
+def _check_pack(x: Tensor, error: Tensor, chunks: int) -> None:
+    if x.dtype not in _PACK_DTYPES:
+        raise TypeError(f"onebit pack: x is {x.dtype}; use float32, float16 or bfloat16")
+    if error.dtype != torch.float32:
+        raise TypeError(f"onebit pack: the error buffer is {error.dtype}; it must be float32")
+    if x.device != error.device:
+        raise ValueError(f"onebit pack: x is on {x.device} but the error buffer on {error.device}; put both on one")
+    if not (x.is_contiguous() and error.is_contiguous()):
+        raise ValueError("onebit pack: x and the error buffer must be contiguous (call .contiguous())")
+    if error.numel() != x.numel():
+        raise ValueError(f"onebit pack: the error buffer has {error.numel()} elements, x has {x.numel()}")
+    if chunks < 1 or x.numel() % (8 * chunks):
+        raise ValueError(
+            f"onebit pack: {x.numel()} elements do not split into {chunks} chunks of whole bytes; "
+            f"pad to a multiple of {8 * max(chunks, 1)} (fastzero.comm.compressed.padded_numel)"
+        )
+
+
+def pack(x: Tensor, error: Tensor, chunks: int = 1, *, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """(sign bits uint8 [numel/8], scales fp32 [chunks]) of ``x + error``;
+    `error` (fp32, x's shape) becomes the new error in place."""
+    _check_pack(x, error, chunks)
+    bits = torch.empty(x.numel() // 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(chunks, dtype=torch.float32, device=x.device)
+    which = _backend("onebit_pack", x.device, backend)
+    if which == "reference":
+        b, s, e = ref.compress(x.reshape(-1), error.reshape(-1), chunks)
+        bits.copy_(b)
+        scales.copy_(s)
+        error.copy_(e.reshape(error.shape))
+    elif which == "cpu":
+        ops = native.cpu_ops()
+        ops.onebit_pack(native.ISA_NAMES.index(native.cpu_isa()), x.data_ptr(), native.DTYPE_CODES[x.dtype],
+                        error.data_ptr(), bits.data_ptr(), scales.data_ptr(), x.numel(), chunks,
+                        torch.get_num_threads())  # fmt: skip
+    else:
+        _device_module(which).onebit_pack(x.reshape(-1), error.reshape(-1), bits, scales, chunks)
+    return bits, scales
+
+
+def unpack(bits: Tensor, scales: Tensor, *, average: bool = False, out: Tensor | None = None,
+           backend: str | None = None) -> Tensor:  # fmt: skip
+    """fp32 values of `bits` (one row per scale): rows concatenated, each
+    sign times its row's scale, or with ``average=True`` the mean of the
+    rows (one row's length)."""
+    if bits.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise TypeError(f"onebit unpack: bits must be uint8 and scales float32, got {bits.dtype} and {scales.dtype}")
+    if bits.device != scales.device:
+        raise ValueError(f"onebit unpack: bits on {bits.device} but scales on {scales.device}")
+    rows = scales.numel()
+    if rows == 0 or bits.numel() % rows:
+        raise ValueError(f"onebit unpack: {bits.numel()} bytes do not split into {rows} rows")
+    bits, scales = bits.contiguous().reshape(-1), scales.contiguous()
+    numel = bits.numel() * 8 // (rows if average else 1)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=bits.device)
+    elif out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous() or out.device != bits.device:
+        raise ValueError(f"onebit unpack: out must be a contiguous float32 tensor of {numel} on {bits.device}")
+    which = _backend("onebit_unpack", bits.device, backend)
+    if which == "reference":
+        values = ref.decompress(bits, scales)
+        out.copy_(values.reshape(rows, -1).mean(0) if average else values)
+    elif which == "cpu":
+        native.cpu_ops().onebit_unpack(native.ISA_NAMES.index(native.cpu_isa()), bits.data_ptr(), scales.data_ptr(),
+                                       out.data_ptr(), rows, bits.numel() // rows, average,
+                                       torch.get_num_threads())  # fmt: skip
+    else:
+        _device_module(which).onebit_unpack(bits, scales, out, average)
+    return out
+
+
+def _device_module(which: str):
+    if which == "cuda":
+        from fastzero.ops import cuda
+
+        return cuda
+    return importlib.import_module("fastzero.triton_kernels.onebit")

@@ -1,0 +1,297 @@
+r"""OneBitAdam: Adam whose momentum crosses the network as sign bits.
+
+Warm-up (the first ``freeze_step`` steps) is ordinary AdamW on averaged
+gradients: FusedAdam's kernels. Then the variance is frozen; each rank folds
+its *local* gradient into the momentum and the momentum is averaged by the
+1-bit compressed all-reduce with error feedback
+(:func:`fastzero.comm.compressed_allreduce`), about 1/16 of an fp16
+all-reduce's bytes. With the variance frozen the update is linear in the
+momentum, which is why compressing it with error feedback converges like Adam
+(Tang et al., 2021, "1-bit Adam").
+
+Bias correction, when on, is applied consistently: the momentum's keeps
+advancing (``1 - beta1^t``), the frozen variance keeps the correction of the
+step it was frozen at (``1 - beta2^freeze_step``), so the update does not jump
+at the freeze. DeepSpeed's OneBitAdam accepts ``bias_correction`` but applies
+none in either phase; ``bias_correction=False`` gives its math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastzero.ops.fused_adam import FusedAdam
+
+
+def check_freeze_step(freeze_step) -> int:
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        raise ValueError(
+            f"OneBitAdam freeze_step={freeze_step!r}: must be an int >= 1, the number of uncompressed warm-up steps "
+            "whose variance is then frozen (a few percent of the run, as DeepSpeed recommends)"
+        )
+    return freeze_step
+
+
+class OneBitAdam(FusedAdam):
+    r"""1-bit Adam (DeepSpeed's signature, less its backend flags: any
+    ``torch.distributed`` backend works).
+
+    ``OneBitAdam(params, lr, freeze_step, bias_correction, betas, eps,
+    eps_inside_sqrt, weight_decay, max_grad_norm, amsgrad, process_group)``.
+    Weight decay is decoupled (AdamW), as DeepSpeed's. ``max_grad_norm > 0``
+    clips the gradient the step uses (in warm-up the averaged one; after
+    ``freeze_step`` each rank's local one, by a factor every rank shares);
+    under the engine its ``gradient_clipping`` does that instead.
+
+    Under ``fastzero.initialize`` the engine reduces warm-up gradients and
+    stops reducing them at the freeze. Used on its own, do not wrap the model
+    in DDP: during warm-up the optimizer averages the gradients itself (one
+    flat all-reduce per group over `process_group`), and every rank must
+    start from the same params.
+
+    State: torch's ``exp_avg``/``exp_avg_sq`` (fp32) per param, plus each
+    group's error-feedback buffers, which ``state_dict()`` saves under
+    ``"onebit"`` and ``load_state_dict`` restores at the same world size
+    (at another they restart from zero, with a warning).
+    """
+
+    _op_name = "OneBitAdam"
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        process_group=None,
+        *,
+        master_weights: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("OneBitAdam does not implement amsgrad (neither does DeepSpeed's)")
+        if eps_inside_sqrt:
+            raise ValueError("OneBitAdam(eps_inside_sqrt=True) is not implemented: eps is added outside the sqrt")
+        if not max_grad_norm >= 0:
+            raise ValueError(f"OneBitAdam max_grad_norm={max_grad_norm!r}: must be >= 0 (0 turns clipping off)")
+        self.freeze_step = check_freeze_step(freeze_step)
+        self.max_grad_norm = float(max_grad_norm)
+        super().__init__(params, lr, bias_correction, betas, eps, True, weight_decay,
+                         master_weights=master_weights, backend=backend)  # fmt: skip
+        self.process_group = process_group
+        self.comm = None  # fastzero.comm.Comm over process_group, made on first use (or given by the engine)
+        # Set by the engine, which reduces warm-up grads, agrees on overflows and clips (gradient_clipping)
+        # itself; on its own the optimizer does those here.
+        self.managed = False
+        self.exchange_momentum = True  # False: grads arrive already compressed-averaged (the engine at ZeRO stage 1)
+        self._momentum: dict[int, Tensor] = {}  # group -> flat padded fp32 buffer; exp_avg are views of it
+        self._errors: dict[int, tuple[Tensor, Tensor]] = {}  # group -> (worker error, server error)
+
+    # -- phases -------------------------------------------------------------------
+    @property
+    def steps_done(self) -> int:
+        return int(float(self.param_groups[0].get("step", 0))) if self.param_groups else 0
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next step is past the warm-up (variance frozen, momentum compressed)."""
+        return self.steps_done >= self.freeze_step
+
+    def _comm(self):
+        if self.comm is None:
+            from fastzero.comm import Comm  # deferred: ops does not depend on comm at import
+
+            self.comm = Comm(self.process_group)
+        return self.comm
+
+    # -- the step -----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: float | Tensor | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)  # torch.amp.GradScaler
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        scale = float(grad_scale) if grad_scale is not None else 1.0
+        comm = self._comm()
+        compressing = self.compressing
+        if not compressing and not self.managed and comm.world_size > 1:
+            self._average_grads(comm)
+        skip = found_inf is not None and bool(found_inf)
+        if comm.world_size > 1 and not self.managed:
+            (skip,) = comm.all_reduce_scalars([float(skip)], op=torch.distributed.ReduceOp.MAX, tag="onebit")
+        if skip:
+            return loss  # an overflow on any rank: no rank steps, the errors stay as they are
+        if self.max_grad_norm > 0 and not self.managed:
+            scale *= self._clip_factor(comm, scale, local=compressing)
+        if not compressing:
+            super().step(grad_scale=scale)
+        else:
+            for gi, group in enumerate(self.param_groups):
+                if group["params"]:
+                    self._compressed_step(gi, group, scale, comm)
+        return loss
+
+    def _average_grads(self, comm) -> None:
+        """Warm-up without the engine: one flat all-reduce per group (a
+        missing grad counts as zeros, so every rank sends the same sizes)."""
+        for group in self.param_groups:
+            params = group["params"]
+            if not params:
+                continue
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                              for p in params])  # fmt: skip
+            comm.all_reduce(flat, tag="onebit_warmup").wait()
+            flat /= comm.world_size
+            off = 0
+            for p in params:
+                g = flat[off : off + p.numel()].view(p.shape)
+                off += p.numel()
+                if p.grad is None:
+                    p.grad = g.to(p.dtype)
+                else:
+                    p.grad.copy_(g)
+
+    def _clip_factor(self, comm, scale: float, local: bool) -> float:
+        """1/coef so that the gradient the step uses has norm <= max_grad_norm;
+        after the freeze the norm is the RMS of the ranks' local norms."""
+        sumsq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2)
+                    for g in self.param_groups for p in g["params"] if p.grad is not None)  # fmt: skip
+        if local and comm.world_size > 1:
+            (sumsq,) = comm.all_reduce_scalars([sumsq], tag="onebit")
+            sumsq /= comm.world_size
+        norm = sumsq**0.5 / scale
+        return norm / self.max_grad_norm if norm > self.max_grad_norm else 1.0
+
+    def momentum_buffer(self, gi: int) -> Tensor:
+        """Group `gi`'s momentum as one flat fp32 buffer, padded for the
+        compressed all-reduce; every param's ``exp_avg`` is a view of it (made
+        again when a load replaced them)."""
+        from fastzero.comm.compressed import padded_numel
+
+        group = self.param_groups[gi]
+        params = group["params"]
+        numel = sum(p.numel() for p in params)
+        padded = padded_numel(numel, self._comm().world_size)
+        buf = self._momentum.get(gi)
+        if buf is not None and buf.numel() == padded and buf.device == params[0].device:
+            off, intact = 0, True
+            for p in params:
+                ea = self.state[p].get("exp_avg")
+                intact = intact and ea is not None and ea.data_ptr() == buf.data_ptr() + 4 * off
+                off += p.numel()
+            if intact:
+                return buf
+        buf = torch.zeros(padded, dtype=torch.float32, device=params[0].device)
+        off = 0
+        for p in params:
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state)
+            view = buf[off : off + p.numel()].view(p.shape)
+            view.copy_(state["exp_avg"])
+            state["exp_avg"] = view
+            off += p.numel()
+        self._momentum[gi] = buf
+        return buf
+
+    def error_buffers(self, gi: int) -> tuple[Tensor, Tensor]:
+        from fastzero.comm.compressed import error_buffers
+
+        buf = self.momentum_buffer(gi)
+        errors = self._errors.get(gi)
+        if errors is None or errors[0].numel() != buf.numel() or errors[0].device != buf.device:
+            world = self._comm().world_size
+            errors = self._errors[gi] = error_buffers(buf.numel(), world, device=buf.device)
+        return errors
+
+    def _compressed_step(self, gi: int, group: dict, scale: float, comm) -> None:
+        params = group["params"]
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        buf = self.momentum_buffer(gi)
+        states = [self.state[p] for p in params]
+        # m = beta1 m + (1 - beta1) g: each rank its local gradient (a missing one counts as zero)
+        buf.mul_(beta1)
+        with_grad = [(s["exp_avg"], p.grad) for s, p in zip(states, params) if p.grad is not None]
+        if with_grad:
+            avgs, grads = zip(*with_grad)
+            torch._foreach_add_(list(avgs), list(grads), alpha=(1 - beta1) / scale)
+        if self.exchange_momentum:
+            from fastzero.comm.compressed import compressed_allreduce
+
+            worker, server = self.error_buffers(gi)
+            compressed_allreduce(buf, worker, server, comm, tag="onebit", out=buf)
+            buf[sum(p.numel() for p in params) :].zero_()  # the padding carries no momentum
+        t = self.steps_done + 1
+        bc1 = 1 - beta1**t if group["bias_correction"] else 1.0
+        bc2 = 1 - beta2**self.freeze_step if group["bias_correction"] else 1.0  # frozen with the variance
+        masters = [s.get("master_param", p) for s, p in zip(states, params)]
+        denom = torch._foreach_div([s["exp_avg_sq"] for s in states], bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        if wd:
+            torch._foreach_mul_(masters, 1.0 - lr * wd)
+        torch._foreach_addcdiv_(masters, [s["exp_avg"] for s in states], denom, value=-lr / bc1)
+        copies = [(p, s["master_param"]) for s, p in zip(states, params) if "master_param" in s]
+        if copies:
+            torch._foreach_copy_([p.data for p, _ in copies], [m for _, m in copies])
+        step = group.get("step", 0)
+        if isinstance(step, Tensor):
+            step.add_(1)
+        else:
+            group["step"] = int(step) + 1
+
+    # -- state -------------------------------------------------------------------------
+    def error_state(self) -> dict:
+        """The error-feedback buffers (this rank's), for checkpoints."""
+        world = self.comm.world_size if self.comm is not None else None
+        return {"world_size": world, "errors": {gi: (w.cpu(), s.cpu()) for gi, (w, s) in self._errors.items()}}
+
+    def load_error_state(self, saved: dict | None) -> bool:
+        """Restores :meth:`error_state`; at another world size (or without
+        one) the errors restart from zero. Returns whether they were restored."""
+        self._errors.clear()
+        if not saved or not saved.get("errors"):
+            return True
+        if saved.get("world_size") != self._comm().world_size:
+            return False
+        for gi, (w, s) in saved["errors"].items():
+            worker, server = self.error_buffers(int(gi))
+            if worker.numel() != w.numel() or server.numel() != s.numel():
+                self._errors.clear()
+                return False
+            worker.copy_(w)
+            server.copy_(s)
+        return True
+
+    def error_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self._errors.values() for t in pair)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["onebit"] = self.error_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        import warnings
+
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("onebit", None)
+        super().load_state_dict(state_dict)
+        if not self.load_error_state(saved):
+            warnings.warn("OneBitAdam: the checkpoint's error-feedback buffers are for another world size; they "
+                          "restart from zero (a one-time, bounded perturbation)", stacklevel=2)  # fmt: skip

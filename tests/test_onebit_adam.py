@@ -1,0 +1,253 @@
+"""OneBitAdam: the optimizer on one process against plain-PyTorch math, its
+errors, the config checks, and training as 4 Gloo ranks under the engine
+(stages 0 and 1, fp32/bf16/fp16) and on its own: convergence against AdamW,
+the bytes after freeze_step, and a checkpoint after freeze_step that resumes
+the same run."""
+
+import json
+
+import pytest
+import torch
+
+from fastzero.config import ConfigError, ConfigNotSupported, load_config
+from fastzero.ops import FusedAdam, OneBitAdam
+from fastzero.ops.reference import onebit as ref
+from tests.dist import run_ranks
+from tests.test_zero_engine import WORKER
+
+TRAIN = WORKER.parent / "train_onebit.py"
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
+
+
+def _grads(model, step):
+    gen = torch.Generator().manual_seed(step)
+    dtype = next(model.parameters()).dtype
+    x, y = torch.randn(16, 12, generator=gen).to(dtype), torch.randn(16, 3, generator=gen)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+
+
+def test_warmup_is_adamw_then_the_compressed_step_is_its_reference():
+    """One process: the warm-up steps are FusedAdam's AdamW exactly; after
+    freeze_step the step is m = b1 m + (1 - b1) g, compressed and
+    decompressed with error feedback (worker then server), then
+    p = p (1 - lr wd) - lr (m / bc1) / (sqrt(v / bc2(freeze)) + eps)."""
+    lr, wd, betas, eps, freeze = 1e-2, 0.1, (0.9, 0.99), 1e-8, 3
+    model, twin = _model(), _model()
+    opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze, betas=betas, eps=eps, weight_decay=wd)
+    adam = FusedAdam(twin.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    for step in range(freeze):
+        for m, o in ((model, opt), (twin, adam)):
+            _grads(m, step)
+            o.step()
+        assert not opt.compressing or step == freeze - 1
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    assert opt.compressing
+    # the reference from here on, in plain torch, over the flattened params
+    params = list(twin.parameters())
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])
+    m, v = flat([adam.state[p]["exp_avg"] for p in params]), flat([adam.state[p]["exp_avg_sq"] for p in params])
+    n = m.numel()
+    padded = -(-n // 8) * 8
+    worker, server = torch.zeros(padded), torch.zeros(padded)
+    for step in range(freeze, freeze + 6):
+        _grads(model, step)
+        opt.step()
+        _grads(twin, step)
+        m = betas[0] * m + (1 - betas[0]) * flat([p.grad for p in params])
+        x = torch.cat([m, torch.zeros(padded - n)])
+        bits, scales, worker = ref.compress(x, worker)
+        bits, scales, server = ref.compress(ref.decompress(bits, scales), server)
+        m = ref.decompress(bits, scales)[:n]
+        bc1, bc2 = 1 - betas[0] ** (step + 1), 1 - betas[1] ** freeze
+        with torch.no_grad():
+            p_flat = flat(params) * (1 - lr * wd) - lr * (m / bc1) / ((v / bc2).sqrt() + eps)
+            off = 0
+            for p in params:
+                p.copy_(p_flat[off : off + p.numel()].view_as(p))
+                off += p.numel()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert opt.steps_done == freeze + 6
+
+
+def test_state_dict_after_the_freeze_resumes_the_same_run():
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    for step in range(5):
+        _grads(model, step)
+        opt.step()
+    saved_params = [p.detach().clone() for p in model.parameters()]
+    # a deep copy, as torch.save would write it (state_dict() holds references to the live state)
+    sd = torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, opt.state_dict())
+    assert sd["onebit"]["world_size"] == 1 and sd["onebit"]["errors"][0][0].abs().sum() > 0
+    for step in range(5, 9):
+        _grads(model, step)
+        opt.step()
+    expected = [p.detach().clone() for p in model.parameters()]
+    resumed = _model()
+    with torch.no_grad():
+        for p, q in zip(resumed.parameters(), saved_params):
+            p.copy_(q)
+    opt2 = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=2)
+    opt2.load_state_dict(sd)
+    for step in range(5, 9):
+        _grads(resumed, step)
+        opt2.step()
+    for p, q in zip(resumed.parameters(), expected):
+        assert torch.equal(p, q)
+
+
+def test_bf16_params_with_master_weights():
+    torch.manual_seed(0)
+    model = _model().to(torch.bfloat16)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, master_weights=True)
+    for step in range(6):
+        _grads(model, step)
+        opt.step()
+    for p in model.parameters():
+        master = opt.state[p]["master_param"]
+        assert master.dtype == torch.float32 and torch.equal(p, master.to(torch.bfloat16))
+
+
+def test_an_overflow_skips_the_step_and_keeps_the_errors():
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1)
+    for step in range(3):
+        _grads(model, step)
+        opt.step()
+    before = ([p.detach().clone() for p in model.parameters()], opt._errors[0][0].clone(), opt.steps_done)
+    _grads(model, 3)
+    opt.step(found_inf=1.0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before[0]))
+    assert torch.equal(opt._errors[0][0], before[1]) and opt.steps_done == before[2]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(freeze_step=-1), "freeze_step=-1: must be an int >= 1"),
+        (dict(freeze_step=0), "freeze_step=0"),
+        (dict(freeze_step=2.5), "freeze_step=2.5"),
+        (dict(amsgrad=True), "amsgrad"),
+        (dict(eps_inside_sqrt=True), "eps_inside_sqrt"),
+        (dict(max_grad_norm=-1.0), "max_grad_norm"),
+        (dict(lr=-1.0), "learning rate -1.0"),
+    ],
+)
+def test_bad_arguments_name_the_problem(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OneBitAdam(_model().parameters(), **kwargs)
+
+
+def _cfg(stage=0, **params):
+    return {"train_batch_size": 8, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "OneBitAdam", "params": params}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config,error,match",
+    [
+        (_cfg(freeze_step=-1), ConfigError, r"freeze_step = -1: must be >= 0"),
+        (_cfg(freeze_step=0), ConfigError, r"freeze_step = 0: must be >= 1"),
+        (_cfg(stage=2), ConfigNotSupported, r"OneBitAdam works with zero_optimization.stage 0 or 1 \(stage is 2\)"),
+        (_cfg(stage=3), ConfigNotSupported, r"stage is 3"),
+        (
+            {**_cfg(stage=1), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+            ConfigNotSupported,
+            "OneBitAdam with offload_optimizer",
+        ),
+        (_cfg(freeze_steps=10), ConfigError, r"did you mean 'freeze_step'\?"),
+    ],
+)
+def test_bad_configs(config, error, match):
+    with pytest.raises(error, match=match):
+        load_config(config)
+
+
+def test_deepspeed_config_keys_are_accepted():
+    """DeepSpeed's 1-bit Adam configs name a comm backend: any works here."""
+    cfg = load_config(_cfg(freeze_step=10, comm_backend_name="nccl", cuda_aware=False))
+    assert cfg.optimizer.type == "OneBitAdam" and cfg.optimizer.params["freeze_step"] == 10
+
+
+def _train(tmp_path, name, runs, world=4, timeout=600):
+    for run in runs:
+        run["out"] = str(tmp_path / run.pop("name"))
+    spec = tmp_path / f"{name}.json"
+    spec.write_text(json.dumps(runs))
+    run_ranks(TRAIN, world, [spec], timeout=timeout)
+    return lambda run_name, rank=0: torch.load(tmp_path / f"{run_name}.rank{rank}.pt", weights_only=False)
+
+
+def _close_to_adam(res, adam, run):
+    """Within 5% of AdamW's held-out loss (or better)."""
+    assert res["eval_loss"] <= 1.05 * adam["eval_loss"], (run, res["eval_loss"], adam["eval_loss"])
+
+
+STEPS = 200
+
+
+def test_four_ranks_converge_like_adam_at_stages_0_and_1(tmp_path):
+    """Fixed seeds, deterministic data: 1-bit Adam's loss after a few hundred
+    steps is within 5% of AdamW's, every rank holds the same params, and
+    after freeze_step the gradient traffic is sign bits."""
+    runs = [
+        dict(name="adam", optimizer="AdamW", steps=STEPS),
+        dict(name="onebit0", optimizer="OneBitAdam", stage=0, steps=STEPS),
+        dict(name="onebit1", optimizer="OneBitAdam", stage=1, steps=STEPS),
+    ]
+    load = _train(tmp_path, "converge", runs)
+    adam = load("adam")
+    assert adam["eval_loss"] < 0.1 * adam["losses"][0]  # the task is learnt
+    for run in ("onebit0", "onebit1"):
+        res = [load(run, r) for r in range(4)]
+        _close_to_adam(res[0], adam, run)
+        for other in res[1:]:  # the same model everywhere
+            assert all(torch.equal(other["params"][k], v) for k, v in res[0]["params"].items())
+    # stage 0 after the freeze: only the compressed exchange (and scalars), no gradient all-reduce
+    sent, numel = load("onebit0")["sent"], load("onebit0")["numel"]
+    assert "all_reduce" not in sent or sent["all_reduce"] < 100 * (STEPS - 21)
+    fp16_allreduce = 2 * numel * 2 * 3 / 4  # one fp16 ring all-reduce of the params' size, per step
+    per_step = (sent["all_to_all"] + sent["all_gather"]) / (STEPS - 21)
+    assert per_step <= fp16_allreduce / 16 + 64 * 4, (per_step, fp16_allreduce)
+    # stage 1: the gradient reduce-scatter is compressed; the param all-gather stays
+    mem = load("onebit1")["memory"]
+    assert mem["compression_errors"] > 0
+
+
+def test_bf16_and_fp16_and_standalone_converge(tmp_path):
+    runs = [
+        dict(name="adam", optimizer="AdamW", steps=STEPS),
+        dict(name="bf16", optimizer="OneBitAdam", dtype="bf16", steps=STEPS),
+        dict(name="fp16", optimizer="OneBitAdam", dtype="fp16", stage=1, steps=STEPS),
+        dict(name="alone", optimizer="OneBitAdam", standalone=True, steps=STEPS),
+    ]
+    load = _train(tmp_path, "precisions", runs)
+    adam = load("adam")
+    for run in ("bf16", "fp16", "alone"):
+        res = load(run)
+        _close_to_adam(res, adam, run)
+        assert all(torch.equal(load(run, 3)["params"][k], v) for k, v in res["params"].items())
+    alone = load("alone")["sent"]
+    assert "all_reduce" not in alone or alone["all_reduce"] < 100 * (STEPS - 21)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_checkpoint_after_freeze_resumes_the_same_run(tmp_path, stage):
+    ckpt = str(tmp_path / "ckpt")
+    runs = [
+        dict(name="straight", optimizer="OneBitAdam", stage=stage, steps=40, freeze=10),
+        dict(name="first", optimizer="OneBitAdam", stage=stage, steps=25, freeze=10, save_at=25, save=ckpt),
+        dict(name="resumed", optimizer="OneBitAdam", stage=stage, steps=40, freeze=10, start=25, load=ckpt),
+    ]
+    load = _train(tmp_path, "resume", runs, world=2)
+    for rank in range(2):
+        straight, resumed = load("straight", rank), load("resumed", rank)
+        assert resumed["losses"] == straight["losses"][25:]
+        assert all(torch.equal(resumed["params"][k], v) for k, v in straight["params"].items())
