@@ -3,7 +3,8 @@
 # H200, inside 8 minutes): build the CPU and CUDA ops, run the GPU tests and
 # the Triton tests on the GPU, run the GPU benchmarks. Logs, JSON, a Markdown
 # report and charts go to $OUT (the device tool's folder) or
-# bench/results/gpu-<date>; at most 8 files, as the device tool brings back.
+# bench/results/gpu-<date>; at most 8 files (charts in one tarball), as the
+# device tool brings back.
 #
 #   bash bench/gpu_check.sh            # on the GPU machine
 #   bash bench/gpu_check.sh --dry-run  # anywhere: every step that needs no GPU
@@ -74,10 +75,16 @@ print('CUDA kernels ready')
     tests/test_onebit_triton.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
+  step bench_onebit "$PY" -m bench.run --kernel onebit --device cuda --quick \
+    --json "$OUT/onebit.json" --report "$OUT/onebit.md"
   step bench_sparse_attention "$PY" -m bench.run --kernel sparse_attention --device cuda --quick \
     --json "$OUT/sparse_attention.json" --report "$OUT/sparse_attention.md"
 fi
 
+# the device tool brings back at most 8 files: the charts travel as one tarball
+if compgen -G "$OUT/*.png" >/dev/null; then
+  (cd "$OUT" && tar cf charts.tar ./*.png && rm -f ./*.png)
+fi
 echo "== summary ($SECONDS s; files in $OUT)" | tee -a "$LOG"
 printf '%s\n' "${summary[@]}" | tee -a "$LOG"
 if [[ -f "$OUT/gpu.md" ]]; then grep -E '^\| fastzero|^## ' "$OUT/gpu.md"; fi

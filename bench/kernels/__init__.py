@@ -5,7 +5,10 @@ A family may also define ``measure(case, args, say) -> (rows, skipped)``
 when it times itself (multi-process jobs: ``zero``) instead of the harness's
 in-process rounds, ``table(case_info, provs)`` for its Markdown lines, and
 ``IN_ALL = False`` to stay out of ``--all``. "module:ATTR" names an object
-in a module that has those attributes (several families in one module)."""
+in a module that has those attributes (several families in one module). A
+family's cases may belong to another family (``onebit`` runs
+``onebit_allreduce``'s too): each case is measured and shown by the family
+its ``kernel`` names."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ KERNELS = {
     "zero": "bench.kernels.zero",
     "zero3": "bench.kernels.zero:ZERO3",
     "offload": "bench.kernels.zero:OFFLOAD",
+    "onebit": "bench.kernels.onebit",
+    "onebit_allreduce": "bench.kernels.onebit:ALLREDUCE",
 }
 
 

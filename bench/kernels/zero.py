@@ -30,17 +30,11 @@ each family's legend).
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import Case, Provider, Timing, Unavailable
+from bench.jobs import JobFailed, run_ranks
 
 DEVICES = ("cpu",)
 WORLD = 2
@@ -95,46 +89,9 @@ def _self_timed() -> None:
     raise Unavailable("a multi-process job: timed by python -m bench.run --kernel zero/zero3/offload, not per call")
 
 
-class JobFailed(RuntimeError):
-    pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(spec: dict, timeout: float) -> dict:
-    """Runs one variant as WORLD processes with torchrun's variables, one
-    thread each; returns rank 0's result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = dict(spec, out=os.path.join(tmp, "result.json"))
-        port = str(_free_port())
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        logs = [Path(tmp, f"rank{rank}.log") for rank in range(WORLD)]
-        procs = []
-        for rank, log in enumerate(logs):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_PORT=port,
-                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=path)  # fmt: skip
-            with open(log, "w") as f:  # a file, not a pipe: no rank blocks on its output
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env, stdout=f,
-                                              stderr=subprocess.STDOUT))  # fmt: skip
-        deadline = time.monotonic() + timeout
-        try:
-            codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
-        except subprocess.TimeoutExpired:
-            codes = None
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
-        for rank, log in enumerate(logs):
-            if codes is None or codes[rank]:
-                why = f"timed out after {timeout:.0f} s" if codes is None else f"exited {codes[rank]}"
-                raise JobFailed(f"rank {rank} {why}: {log.read_text().strip()[-1500:]}")
-        with open(spec["out"]) as f:
-            return json.load(f)
+    """Runs one variant as WORLD ranks; returns rank 0's result."""
+    return run_ranks(WORKER, spec, WORLD, timeout)
 
 
 def _f(v, spec, scale=1.0) -> str:

@@ -17,10 +17,8 @@ namespace fz {
 namespace {
 
 #ifdef FZ_HAVE_X86_SIMD
-#define FZ_PICK(isa, name) ((isa) == kAvx512 ? &avx512::name : (isa) == kAvx2 ? &avx2::name : &scalar::name)
 #define FZ_PICK_CALL(isa, expr) ((isa) == kAvx512 ? avx512::expr : (isa) == kAvx2 ? avx2::expr : scalar::expr)
 #else
-#define FZ_PICK(isa, name) (&scalar::name)
 #define FZ_PICK_CALL(isa, expr) (scalar::expr)
 #endif
 
@@ -58,17 +56,31 @@ bool onebit_pack(Isa isa, const void* x, int x_dtype, float* error, uint8_t* bit
   return true;
 }
 
+// Outputs at least this big (a few L2s) are written with cache-bypassing
+// stores: a plain store first reads each line from memory, which for a
+// large, cold output costs as much as the write. Smaller ones stay in cache
+// for the pack that reads them next.
+constexpr int64_t kStreamOutBytes = int64_t(8) << 20;
+
+// Whether every segment's output starts on a 64-byte line: row starts
+// (multiples of 8 elements) and segment offsets (multiples of
+// kChunkElements) from a 64-byte aligned out, with rows of whole lines.
+bool streamable(const float* out, int64_t total, int64_t len) {
+  return total * 4 >= kStreamOutBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0 && len % 16 == 0;
+}
+
 bool onebit_unpack(Isa isa, const uint8_t* bits, const float* scales, float* out, int64_t rows,
                    int64_t row_bytes, bool average, int num_threads) {
   if (!known_isa(isa) || rows < 1 || row_bytes < 0) return false;
   const int64_t len = 8 * row_bytes;
+  const bool nt = streamable(out, average ? len : rows * len, len);
   if (average) {
-    const auto fn = FZ_PICK(isa, onebit_average);
+    const auto fn = FZ_PICK_CALL(isa, pick_average(nt));
     for_each_segment({len}, num_threads, [&](size_t, int64_t off, int64_t n) {
       fn(bits + off / 8, row_bytes, scales, rows, out + off, n);
     });
   } else {
-    const auto fn = FZ_PICK(isa, onebit_scale_signs);
+    const auto fn = FZ_PICK_CALL(isa, pick_scale_signs(nt));
     for_each_segment(std::vector<int64_t>(size_t(rows), len), num_threads, [&](size_t r, int64_t off, int64_t n) {
       fn(bits + int64_t(r) * row_bytes + off / 8, scales[r], out + int64_t(r) * len + off, n);
     });

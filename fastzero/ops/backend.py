@@ -134,7 +134,7 @@ def backends() -> list[BackendStatus]:
     reference = (True, "plain PyTorch, always available")
     rows = [BackendStatus("CPUAdam", "cpu", *cpu), BackendStatus("CPUAdam", "reference", *reference)]
     gpu = {"cuda": cuda_status(), "triton": triton_status()}
-    for op in ("FusedAdam", "FusedLamb"):
+    for op in ("FusedAdam", "FusedLamb", "OneBitAdam"):  # OneBitAdam: FusedAdam's kernels and the 1-bit pack/unpack
         rows.append(BackendStatus(op, "cpu", *cpu))
         for name, (ok, why) in gpu.items():
             rows.append(BackendStatus(op, name, ok, "CUDA tensors" if ok else why))

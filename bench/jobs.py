@@ -1,0 +1,58 @@
+"""Multi-process benchmark jobs: a worker script run as `world` local ranks
+with torchrun's variables over Gloo, one thread each, its result read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker: Path, spec: dict, world: int, timeout: float) -> dict:
+    """Runs `worker` (argv[1]: the JSON spec, plus ``out``, where rank 0
+    writes its JSON result) as `world` processes; returns that result.
+    Raises JobFailed with the failing rank's log tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = dict(spec, out=os.path.join(tmp, "result.json"))
+        port = str(free_port())
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        logs = [Path(tmp, f"rank{rank}.log") for rank in range(world)]
+        procs = []
+        for rank, log in enumerate(logs):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_PORT=port,
+                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=path)  # fmt: skip
+            with open(log, "w") as f:  # a file, not a pipe: no rank blocks on its output
+                procs.append(subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], env=env, stdout=f,
+                                              stderr=subprocess.STDOUT))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+        except subprocess.TimeoutExpired:
+            codes = None
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        for rank, log in enumerate(logs):
+            if codes is None or codes[rank]:
+                why = f"timed out after {timeout:.0f} s" if codes is None else f"exited {codes[rank]}"
+                raise JobFailed(f"rank {rank} {why}: {log.read_text().strip()[-1500:]}")
+        with open(spec["out"]) as f:
+            return json.load(f)
