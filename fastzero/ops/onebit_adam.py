@@ -117,14 +117,7 @@ class OneBitAdam(FusedAdam):
     # -- the step -----------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: float | Tensor | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if grad_scale is None:
-            grad_scale = getattr(self, "grad_scale", None)  # torch.amp.GradScaler
-        if found_inf is None:
-            found_inf = getattr(self, "found_inf", None)
+        loss, grad_scale, found_inf = self._step_inputs(closure, grad_scale, found_inf)
         scale = float(grad_scale) if grad_scale is not None else 1.0
         comm = self._comm()
         compressing = self.compressing

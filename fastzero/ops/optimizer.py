@@ -75,16 +75,22 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
     def _uses_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype != torch.float32
 
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: float | Tensor | None = None):
+    def _step_inputs(self, closure, grad_scale, found_inf) -> tuple[Any, Any, Any]:
+        """(the closure's loss, grad_scale, found_inf): the arguments, else
+        what torch.amp.GradScaler set as attributes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if grad_scale is None:
-            grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
+            grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        return loss, grad_scale, found_inf
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: float | Tensor | None = None):
+        loss, grad_scale, found_inf = self._step_inputs(closure, grad_scale, found_inf)
         if found_inf is not None and not isinstance(found_inf, Tensor):
             found_inf = torch.tensor(float(found_inf))
         for gi, group in enumerate(self.param_groups):

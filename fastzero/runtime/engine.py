@@ -325,8 +325,8 @@ class Engine:
         CPU buffers) are in CPU memory, as ``offload_params`` (stage 3's
         param shards with ``offload_param``). At stage 3 ``params`` is the
         shards plus the params gathered now (the persistent ones between
-        steps). The values add up to the rank's
-        model-state bytes."""
+        steps). With OneBitAdam, ``compression_errors`` is its error-feedback
+        buffers. The values add up to the rank's model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
         offloaded = getattr(self.optimizer, "offloaded_bytes", None)
