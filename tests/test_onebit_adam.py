@@ -32,14 +32,16 @@ def _grads(model, step):
 
 
 def test_warmup_is_adamw_then_the_compressed_step_is_its_reference():
-    """One process: the warm-up steps are FusedAdam's AdamW exactly; after
-    freeze_step the step is m = b1 m + (1 - b1) g, compressed and
-    decompressed with error feedback (worker then server), then
+    """One process, two param groups at different lrs: the warm-up steps are
+    FusedAdam's AdamW exactly; after freeze_step each group's step is
+    m = b1 m + (1 - b1) g, compressed and decompressed with error feedback
+    (worker then server), then
     p = p (1 - lr wd) - lr (m / bc1) / (sqrt(v / bc2(freeze)) + eps)."""
-    lr, wd, betas, eps, freeze = 1e-2, 0.1, (0.9, 0.99), 1e-8, 3
+    lrs, wd, betas, eps, freeze = (1e-2, 3e-3), 0.1, (0.9, 0.99), 1e-8, 3
     model, twin = _model(), _model()
-    opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze, betas=betas, eps=eps, weight_decay=wd)
-    adam = FusedAdam(twin.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    groups = lambda m: [{"params": m[0].parameters(), "lr": lrs[0]}, {"params": m[2].parameters(), "lr": lrs[1]}]
+    opt = OneBitAdam(groups(model), freeze_step=freeze, betas=betas, eps=eps, weight_decay=wd)
+    adam = FusedAdam(groups(twin), betas=betas, eps=eps, weight_decay=wd)
     for step in range(freeze):
         for m, o in ((model, opt), (twin, adam)):
             _grads(m, step)
@@ -48,32 +50,58 @@ def test_warmup_is_adamw_then_the_compressed_step_is_its_reference():
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
     assert opt.compressing
-    # the reference from here on, in plain torch, over the flattened params
-    params = list(twin.parameters())
+    # the reference from here on, in plain torch, over each group's flattened params
     flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])
-    m, v = flat([adam.state[p]["exp_avg"] for p in params]), flat([adam.state[p]["exp_avg_sq"] for p in params])
-    n = m.numel()
-    padded = -(-n // 8) * 8
-    worker, server = torch.zeros(padded), torch.zeros(padded)
+    ref_groups = []
+    for group in adam.param_groups:
+        params = group["params"]
+        m, v = flat([adam.state[p]["exp_avg"] for p in params]), flat([adam.state[p]["exp_avg_sq"] for p in params])
+        padded = -(-m.numel() // 8) * 8
+        ref_groups.append([group["lr"], params, m, v, torch.zeros(padded), torch.zeros(padded)])
     for step in range(freeze, freeze + 6):
         _grads(model, step)
         opt.step()
         _grads(twin, step)
-        m = betas[0] * m + (1 - betas[0]) * flat([p.grad for p in params])
-        x = torch.cat([m, torch.zeros(padded - n)])
-        bits, scales, worker = ref.compress(x, worker)
-        bits, scales, server = ref.compress(ref.decompress(bits, scales), server)
-        m = ref.decompress(bits, scales)[:n]
-        bc1, bc2 = 1 - betas[0] ** (step + 1), 1 - betas[1] ** freeze
-        with torch.no_grad():
-            p_flat = flat(params) * (1 - lr * wd) - lr * (m / bc1) / ((v / bc2).sqrt() + eps)
-            off = 0
-            for p in params:
-                p.copy_(p_flat[off : off + p.numel()].view_as(p))
-                off += p.numel()
+        for g in ref_groups:
+            lr, params, m, v, worker, server = g
+            n = m.numel()
+            m = betas[0] * m + (1 - betas[0]) * flat([p.grad for p in params])
+            bits, scales, worker = ref.compress(torch.cat([m, torch.zeros(worker.numel() - n)]), worker)
+            bits, scales, server = ref.compress(ref.decompress(bits, scales), server)
+            m = ref.decompress(bits, scales)[:n]
+            g[2], g[4], g[5] = m, worker, server
+            bc1, bc2 = 1 - betas[0] ** (step + 1), 1 - betas[1] ** freeze
+            with torch.no_grad():
+                p_flat = flat(params) * (1 - lr * wd) - lr * (m / bc1) / ((v / bc2).sqrt() + eps)
+                off = 0
+                for p in params:
+                    p.copy_(p_flat[off : off + p.numel()].view_as(p))
+                    off += p.numel()
         for p, q in zip(model.parameters(), twin.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert opt.steps_done == freeze + 6
+
+
+def test_elements_without_a_warmup_gradient_and_frozen_params_stay_put():
+    """An embedding row no warm-up batch used has a frozen variance of 0:
+    compression gives its momentum +-scale, which must not move it (it would
+    by lr * scale / eps). A param that does not train is left alone."""
+    torch.manual_seed(0)
+    emb, head, frozen = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 3), torch.nn.Linear(3, 3)
+    frozen.requires_grad_(False)
+    params = [*emb.parameters(), *head.parameters(), *frozen.parameters()]
+    opt = OneBitAdam(params, lr=1e-2, freeze_step=3)
+    before = emb.weight.detach().clone(), [p.detach().clone() for p in frozen.parameters()]
+    for step in range(10):
+        gen = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, 32, (16,), generator=gen)  # rows 32-63 never used
+        opt.zero_grad()
+        frozen(head(emb(idx))).pow(2).mean().backward()
+        opt.step()
+    assert torch.equal(emb.weight[32:], before[0][32:])
+    assert not torch.equal(emb.weight[:32], before[0][:32])
+    assert all(torch.equal(p, q) for p, q in zip(frozen.parameters(), before[1]))
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 def test_state_dict_after_the_freeze_resumes_the_same_run():
@@ -227,15 +255,25 @@ def test_bf16_and_fp16_and_standalone_converge(tmp_path):
         dict(name="bf16", optimizer="OneBitAdam", dtype="bf16", steps=STEPS),
         dict(name="fp16", optimizer="OneBitAdam", dtype="fp16", stage=1, steps=STEPS),
         dict(name="alone", optimizer="OneBitAdam", standalone=True, steps=STEPS),
-    ]
+        dict(name="alone_scaled", optimizer="OneBitAdam", standalone=True, rank_scale=True, steps=STEPS),
+        # gradients far below fp16's normal range once unscaled: only the loss scale keeps them
+        dict(name="adam_small", optimizer="AdamW", loss_mult=1e-6, steps=STEPS),
+        dict(name="fp16_small", optimizer="OneBitAdam", dtype="fp16", stage=1, scale_power=20, loss_mult=1e-6,
+             steps=STEPS),
+    ]  # fmt: skip
     load = _train(tmp_path, "precisions", runs)
     adam = load("adam")
     for run in ("bf16", "fp16", "alone"):
         res = load(run)
         _close_to_adam(res, adam, run)
         assert all(torch.equal(load(run, 3)["params"][k], v) for k, v in res["params"].items())
+    _close_to_adam(load("fp16_small"), load("adam_small"), "fp16_small")
     alone = load("alone")["sent"]
     assert "all_reduce" not in alone or alone["all_reduce"] < 100 * (STEPS - 21)
+    # each rank unscales by its own grad_scale: powers of two, so exactly the unscaled run
+    for rank in range(4):
+        scaled, plain = load("alone_scaled", rank)["params"], load("alone", rank)["params"]
+        assert all(torch.equal(scaled[k], v) for k, v in plain.items())
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -251,3 +289,8 @@ def test_checkpoint_after_freeze_resumes_the_same_run(tmp_path, stage):
         straight, resumed = load("straight", rank), load("resumed", rank)
         assert resumed["losses"] == straight["losses"][25:]
         assert all(torch.equal(resumed["params"][k], v) for k, v in straight["params"].items())
+        assert resumed["load_warnings"] == []
+    # at another world size the optimizer state moves, the error buffers restart from zero, and it says so
+    runs = [dict(name="one", optimizer="OneBitAdam", stage=stage, steps=27, freeze=10, start=25, load=ckpt)]
+    one = _train(tmp_path, "one", runs, world=1)("one")
+    assert any("error-feedback buffers" in w for w in one["load_warnings"]), one["load_warnings"]

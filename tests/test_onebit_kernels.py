@@ -53,6 +53,18 @@ def test_cpu_unpack_matches_reference(isa, rows, row_bytes):
     check_unpack("cpu", rows, row_bytes)
 
 
+def test_non_finite_values_match_the_reference(isa):
+    """NaN has no sign bit set (NaN >= 0 is false) and makes its chunk's scale NaN; inf likewise."""
+    gen = torch.Generator().manual_seed(3)
+    x, error = torch.randn(4 * 64, generator=gen), torch.randn(4 * 64, generator=gen)
+    x[5], x[70], x[200] = float("nan"), float("inf"), float("-inf")
+    want_bits, want_scales, want_error = ref.compress(x, error.clone(), 4)
+    bits, scales = onebit.pack(x, error, 4)
+    assert torch.equal(bits, want_bits)
+    torch.testing.assert_close(scales, want_scales, rtol=1e-5, atol=0, equal_nan=True)
+    torch.testing.assert_close(error, want_error, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_reference_backend_is_the_reference():
     check_pack("reference", 1000, 5, torch.float32)
     check_unpack("reference", 3, 11)

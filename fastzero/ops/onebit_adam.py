@@ -27,6 +27,12 @@ from torch import Tensor
 from fastzero.ops.fused_adam import FusedAdam
 
 
+def _trained(group: dict) -> list[Tensor]:
+    """The group's params that train, the same list on every rank whichever got grads this step: those that
+    require grad, and the engine's shard chunks (plain tensors whose .grad it sets)."""
+    return [p for p in group["params"] if p.requires_grad or p.grad is not None]
+
+
 def check_freeze_step(freeze_step) -> int:
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
         raise ValueError(
@@ -100,7 +106,7 @@ class OneBitAdam(FusedAdam):
     # -- phases -------------------------------------------------------------------
     @property
     def steps_done(self) -> int:
-        return int(float(self.param_groups[0].get("step", 0))) if self.param_groups else 0
+        return max((int(float(g.get("step", 0))) for g in self.param_groups), default=0)
 
     @property
     def compressing(self) -> bool:
@@ -122,7 +128,8 @@ class OneBitAdam(FusedAdam):
         comm = self._comm()
         compressing = self.compressing
         if not compressing and not self.managed and comm.world_size > 1:
-            self._average_grads(comm)
+            self._average_grads(comm, scale)  # each rank unscales by its own scale (GradScalers may differ)
+            scale = 1.0
         skip = found_inf is not None and bool(found_inf)
         if comm.world_size > 1 and not self.managed:
             (skip,) = comm.all_reduce_scalars([float(skip)], op=torch.distributed.ReduceOp.MAX, tag="onebit")
@@ -133,20 +140,23 @@ class OneBitAdam(FusedAdam):
         if not compressing:
             super().step(grad_scale=scale)
         else:
+            t = self.steps_done + 1  # before any group's counter advances
             for gi, group in enumerate(self.param_groups):
-                if group["params"]:
-                    self._compressed_step(gi, group, scale, comm)
+                if _trained(group):
+                    self._compressed_step(gi, group, t, scale, comm)
         return loss
 
-    def _average_grads(self, comm) -> None:
-        """Warm-up without the engine: one flat all-reduce per group (a
-        missing grad counts as zeros, so every rank sends the same sizes)."""
+    def _average_grads(self, comm, scale: float) -> None:
+        """Warm-up without the engine: one flat all-reduce per group of the
+        grads / `scale` (a trainable param's missing grad counts as zeros, so
+        every rank sends the same sizes)."""
         for group in self.param_groups:
-            params = group["params"]
+            params = _trained(group)
             if not params:
                 continue
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                               for p in params])  # fmt: skip
+            flat /= scale  # this rank's scale, before the sum
             comm.all_reduce(flat, tag="onebit_warmup").wait()
             flat /= comm.world_size
             off = 0
@@ -175,8 +185,7 @@ class OneBitAdam(FusedAdam):
         again when a load replaced them)."""
         from fastzero.comm.compressed import padded_numel
 
-        group = self.param_groups[gi]
-        params = group["params"]
+        params = _trained(self.param_groups[gi])
         numel = sum(p.numel() for p in params)
         padded = padded_numel(numel, self._comm().world_size)
         buf = self._momentum.get(gi)
@@ -211,8 +220,8 @@ class OneBitAdam(FusedAdam):
             errors = self._errors[gi] = error_buffers(buf.numel(), world, device=buf.device)
         return errors
 
-    def _compressed_step(self, gi: int, group: dict, scale: float, comm) -> None:
-        params = group["params"]
+    def _compressed_step(self, gi: int, group: dict, t: int, scale: float, comm) -> None:
+        params = _trained(group)
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         buf = self.momentum_buffer(gi)
@@ -229,7 +238,11 @@ class OneBitAdam(FusedAdam):
             worker, server = self.error_buffers(gi)
             compressed_allreduce(buf, worker, server, comm, tag="onebit", out=buf)
             buf[sum(p.numel() for p in params) :].zero_()  # the padding carries no momentum
-        t = self.steps_done + 1
+        # Compression gives every element +-scale, also those that never had a gradient (an embedding row no
+        # batch used in the warm-up, padding): with their frozen variance 0 they would move by lr * scale / eps.
+        # As DeepSpeed's exp_avg_mask, they keep no momentum.
+        for st in states:
+            st["exp_avg"].masked_fill_(st["exp_avg_sq"] == 0, 0.0)
         bc1 = 1 - beta1**t if group["bias_correction"] else 1.0
         bc2 = 1 - beta2**self.freeze_step if group["bias_correction"] else 1.0  # frozen with the variance
         masters = [s.get("master_param", p) for s, p in zip(states, params)]

@@ -63,7 +63,17 @@ def _onebit_state(engine) -> dict | None:
     return {"stage": engine.stage, "optimizer": engine.optimizer.error_state(), "groups": groups}
 
 
-def _load_onebit_state(engine, saved: dict | None, same_world: bool) -> None:
+def _has_errors(engine) -> bool:
+    """Whether 1-bit Adam has error-feedback state (it is past freeze_step)."""
+    if not getattr(engine, "onebit", False):
+        return False
+    return engine.optimizer.error_bytes() > 0 or any(g.compress_error is not None for g in engine.groups)
+
+
+def _load_onebit_state(engine, saved: dict | None, same_world: bool, had_errors: bool) -> None:
+    """Restores this rank's error buffers when the world size and stage are
+    the saved ones; else they restart from zero (with a warning when the
+    checkpoint had some)."""
     if not getattr(engine, "onebit", False):
         return
     restored = same_world and saved is not None and saved["stage"] == engine.stage
@@ -72,7 +82,6 @@ def _load_onebit_state(engine, saved: dict | None, same_world: bool) -> None:
         engine.optimizer.load_error_state(None)
     for g, error in zip(engine.groups, saved["groups"] if restored else [None] * len(engine.groups)):
         g.compress_error = None if error is None else error.to(g.device)
-    had_errors = saved is not None and (saved["optimizer"]["errors"] or any(e is not None for e in saved["groups"]))
     if not restored and had_errors:
         warnings.warn("1-bit Adam: the checkpoint's error-feedback buffers are for another world size or stage; "
                       "they restart from zero (a one-time, bounded perturbation)", stacklevel=4)  # fmt: skip
@@ -124,6 +133,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "onebit_errors": _has_errors(engine),
             "groups": [{"step": int(float(og.get("step", 0))), "names": g.names,
                         "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"}}
                        for g, og in zip(engine.groups, engine.optimizer.param_groups)],
@@ -276,7 +286,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             h.wait()
         engine.module.load_state_dict(extra["module_state"], strict=False)
         if load_optimizer_states:
-            _load_onebit_state(engine, own_file.get("onebit"), same_world)
+            _load_onebit_state(engine, own_file.get("onebit"), same_world, manifest.get("onebit_errors", False))
     if load_lr_scheduler_states and engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
     if engine.loss_scaler is not None and manifest["loss_scaler"] is not None:

@@ -259,12 +259,10 @@ class Engine:
             self.monitor.log(f"step {self.global_steps + 1}: gradient overflow (loss scale {scale:g}), step skipped")
         else:
             coef = clip / (self.grad_norm + 1e-6) if clip > 0 and self.grad_norm > clip else 1.0
-            if compressing and self.stage == 1:  # the compressed reduce-scatter delivers averaged, unscaled grads
+            if compressing and self.stage == 1:  # the compressed reduce-scatter of the local grads
                 for g in self.groups:
                     g.compressed_reduce(divisor / coef)
-                self.optimizer.step(grad_scale=1.0)
-            else:
-                self.optimizer.step(grad_scale=divisor / coef)
+            self.optimizer.step(grad_scale=divisor / coef)
             handles = [h for g in self.groups for h in g.gather()]
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

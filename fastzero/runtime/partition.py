@@ -114,20 +114,26 @@ class FlatGroup:
 
     def compressed_reduce(self, divisor: float) -> None:
         """Stage 1 past 1-bit Adam's freeze_step: the grad shard becomes the
-        average over ranks of the local gradients / `divisor`, 1-bit
-        compressed on the way with error feedback. The flat gradient is laid
-        out rank-major first (rank r's chunks of every bucket back to back),
-        so the exchange is one all-to-all; the owner keeps the exact average
-        of what it receives (no second compression)."""
+        average over ranks of the local gradients, 1-bit compressed on the
+        way with error feedback. The flat gradient is laid out rank-major
+        first (rank r's chunks of every bucket back to back), so the exchange
+        is one all-to-all; the owner keeps the exact average of what it
+        receives (no second compression). What is compressed is the gradient
+        / `divisor` in fp32 (so the error does not depend on the loss scale);
+        the shard gets the average times `divisor` back, in the units of an
+        uncompressed reduction (an fp16 shard keeps the loss scale's range)."""
         world, shard = self.comm.world_size, self.layout.shard_size
         send = torch.empty(world * shard, dtype=torch.float32, device=self.device)
         rows = send.view(world, shard)
         for b in self.layout.buckets:
-            src = self.flat_grad[b.start : b.start + b.size].view(world, b.chunk)
-            torch.mul(src, 1.0 / divisor, out=rows[:, b.shard_start : b.shard_start + b.chunk])
+            rows[:, b.shard_start : b.shard_start + b.chunk].copy_(
+                self.flat_grad[b.start : b.start + b.size].view(world, b.chunk)
+            )
+        send.mul_(1.0 / divisor)
         if self.compress_error is None:
             self.compress_error = torch.zeros_like(send)
-        self.grad_shard.copy_(compressed_reduce_scatter(send, self.compress_error, self.comm, tag="onebit"))
+        average = compressed_reduce_scatter(send, self.compress_error, self.comm, tag="onebit")
+        self.grad_shard.copy_(average.mul_(divisor))
 
     def zero_grads(self) -> None:
         if self.flat_grad is not None:

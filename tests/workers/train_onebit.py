@@ -3,12 +3,15 @@ a JSON file with a list of runs. A student MLP learns a fixed random teacher
 (a task with a reachable low loss); each rank saves its losses, params and the
 bytes its collectives sent after freeze_step to `out` + f".rank{rank}.pt".
 
-Run keys: optimizer ("OneBitAdam" or "AdamW"), stage, dtype, steps, freeze,
-lr, gas, clip, standalone (OneBitAdam without the engine), save_at/save,
-load/start."""
+Run keys: optimizer ("OneBitAdam" or "AdamW"), stage, dtype, scale_power
+(fp16's initial loss scale), loss_mult (the loss backward sees), steps,
+freeze, lr, gas, clip, standalone (OneBitAdam without the engine), rank_scale
+(standalone: each rank scales its loss by its own power of two and passes it
+as grad_scale), save_at/save, load/start."""
 
 import json
 import sys
+import warnings
 
 import torch
 
@@ -52,7 +55,7 @@ def config(run: dict) -> dict:
     if run.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     if run.get("dtype") == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 10}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": run.get("scale_power", 10)}
     return cfg
 
 
@@ -67,10 +70,12 @@ def train(run: dict) -> None:
         rank, world, gas = comm.rank, comm.world_size, 1
         forward, record = model, comm.record
 
+        rank_scale = 2.0 ** (rank + 3) if run.get("rank_scale") else 1.0  # as per-rank GradScalers could differ
+
         def backward_step(loss):
             opt.zero_grad()
-            loss.backward()
-            opt.step()
+            (loss * rank_scale).backward()
+            opt.step(grad_scale=rank_scale)
 
         opt.comm = comm  # the same Comm, so its record shows the optimizer's collectives
         engine = None
@@ -84,8 +89,10 @@ def train(run: dict) -> None:
             engine.step()
 
     start, steps = run.get("start", 0), run.get("steps", 100)
-    if run.get("load"):
-        engine.load_checkpoint(run["load"])
+    with warnings.catch_warnings(record=True) as load_warnings:
+        warnings.simplefilter("always")
+        if run.get("load"):
+            engine.load_checkpoint(run["load"])
     losses, sent = [], {}
     for step in range(start, steps):
         if step == run.get("freeze", 20) + 1:
@@ -95,8 +102,8 @@ def train(run: dict) -> None:
         for m in range(gas):
             rows = slice((m * world + rank) * MICRO, (m * world + rank + 1) * MICRO)
             loss = torch.nn.functional.mse_loss(forward(x[rows]).float(), y[rows])
-            backward_step(loss)
-            step_loss += loss.item() / gas
+            backward_step(loss * run.get("loss_mult", 1.0))
+            step_loss += loss.item() / gas  # the task's loss, whatever loss_mult
         losses.append(step_loss)
         if run.get("save_at") == step + 1:
             engine.save_checkpoint(run["save"])
@@ -115,7 +122,8 @@ def train(run: dict) -> None:
             p.copy_(params[n])
         eval_loss = torch.nn.functional.mse_loss(evaluated(x), y).item()
     memory = engine.memory_breakdown() if engine is not None else None
-    result = dict(losses=losses, eval_loss=eval_loss, params=params, sent=sent, numel=numel, memory=memory)
+    result = dict(losses=losses, eval_loss=eval_loss, params=params, sent=sent, numel=numel, memory=memory,
+                  load_warnings=[str(w.message) for w in load_warnings])  # fmt: skip
     torch.save(result, f"{run['out']}.rank{rank}.pt")
 
 
