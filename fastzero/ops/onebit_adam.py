@@ -102,11 +102,25 @@ class OneBitAdam(FusedAdam):
         self.exchange_momentum = True  # False: grads arrive already compressed-averaged (the engine at ZeRO stage 1)
         self._momentum: dict[int, Tensor] = {}  # group -> flat padded fp32 buffer; exp_avg are views of it
         self._errors: dict[int, tuple[Tensor, Tensor]] = {}  # group -> (worker error, server error)
+        self._steps_cache: tuple[int, tuple] | None = None  # (steps done, _step_objects() then)
 
     # -- phases -------------------------------------------------------------------
+    def _step_objects(self) -> tuple:
+        """What identifies the groups' step counters: a device tensor by
+        identity (steps advance it in place), a host int by value."""
+        steps = (g.get("step", 0) for g in self.param_groups)
+        return tuple((id(t), None) if isinstance(t, Tensor) else (None, t) for t in steps)
+
     @property
     def steps_done(self) -> int:
-        return max((int(float(g.get("step", 0))) for g in self.param_groups), default=0)
+        """Steps taken. Cached after each step, so that asking (the engine
+        does, every micro-batch) reads no device counter, which would wait
+        for the GPU; a load that replaces the counters is seen."""
+        if self._steps_cache is not None and self._steps_cache[1] == self._step_objects():
+            return self._steps_cache[0]
+        done = max((int(float(g.get("step", 0))) for g in self.param_groups), default=0)
+        self._steps_cache = (done, self._step_objects())
+        return done
 
     @property
     def compressing(self) -> bool:
@@ -137,13 +151,15 @@ class OneBitAdam(FusedAdam):
             return loss  # an overflow on any rank: no rank steps, the errors stay as they are
         if self.max_grad_norm > 0 and not self.managed:
             scale *= self._clip_factor(comm, scale, local=compressing)
+        t = self.steps_done + 1  # before any group's counter advances
         if not compressing:
             super().step(grad_scale=scale)
         else:
-            t = self.steps_done + 1  # before any group's counter advances
             for gi, group in enumerate(self.param_groups):
                 if _trained(group):
                     self._compressed_step(gi, group, t, scale, comm)
+        stepped = compressing or any(p.grad is not None for g in self.param_groups for p in g["params"])
+        self._steps_cache = (t, self._step_objects()) if stepped else None  # a warm-up step without grads is none
         return loss
 
     def _average_grads(self, comm, scale: float) -> None:
