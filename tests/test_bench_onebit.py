@@ -40,6 +40,17 @@ def test_listed_but_not_in_all(capsys):
     assert [c.name for c in quick] == ["pack-fp32-1M", "pack-fp32-4M", "unpack-avg4-1M", "unpack-avg4-4M",
                                        "unpack-rows4-1M", "unpack-rows4-4M", "w2-1M"]  # fmt: skip
     assert quick[-1].kernel == "onebit_allreduce"
+    # pack against the in-place stream (28 B per element), unpack, which mostly writes, against the write probe
+    roofs = {c.name: c.providers[-1] for c in quick[:-1]}
+    assert roofs["pack-fp32-1M"].bytes == 28 * 2**20 and roofs["unpack-rows4-1M"].bytes == 4 * 2**20
+    assert roofs["unpack-avg4-1M"].bytes == 4 * 2**20 // 4
+
+
+def test_write_probe_writes_every_element():
+    from bench.kernels.optim_common import write_roofline
+
+    runner = write_roofline([1000, 17, 2**16 + 3])  # tails and sizes that are not whole vectors
+    runner.check()
 
 
 def test_gpu_cases_listed_without_a_gpu(capsys):

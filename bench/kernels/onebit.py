@@ -27,10 +27,15 @@ Providers: fastzero's CPU kernel (``cpu`` backend; with ``--device cuda`` the
 ``cuda`` and ``triton`` backends), the plain-PyTorch ``reference`` backend as
 the peer, for unpack ``torch_fill`` (``out.fill_``: writing the output and
 nothing else, the speed any kernel that writes it with ordinary stores can
-reach), and the bandwidth probe measured in the same rounds: on the CPU the
-suite's streaming kernel of Adam's shape (read 4 arrays, write 3 in place:
-28 B per element) over as many elements as the case writes (N for pack and
-rows, N/4 for avg), on a GPU a copy of that many fp32. Unpack writes into a
+reach), and the bandwidth probe measured in the same rounds over as many
+elements as the case writes (N for pack and rows, N/4 for avg): on the CPU,
+for pack the suite's streaming kernel of Adam's shape (read 4 arrays, write
+3 in place: 28 B per element), for unpack, which writes 8 to 32 times what it
+reads, the write probe (the output set, nothing read: 4 B per element, with
+plain stores while it fits in cache and cache-bypassing ones from 8 MiB, as
+unpack writes; the in-place probe's writes follow its reads of the same
+lines, which overstates what a writing kernel can reach); on a GPU a copy of
+that many fp32. Unpack writes into a
 preallocated ``out``. Every provider is first checked against the reference
 (sign bits equal; scales to 1e-5 of the fp64 sum of squares (the plain-PyTorch
 reference itself to 1e-3: it sums in fp32), errors and unpacked values to
@@ -258,12 +263,15 @@ def _ours(device: str) -> list[tuple[str, str]]:
     return [("fastzero", "cpu")] if device == "cpu" else [("fastzero_cuda", "cuda"), ("fastzero_triton", "triton")]
 
 
-def _roofline(device: str, numel: int) -> Provider:
-    """The bandwidth probe over `numel` elements (the elements the case writes)."""
-    from bench.kernels.optim_common import cuda_copy_roofline, stream_roofline
+def _roofline(device: str, numel: int, writes: bool = False) -> Provider:
+    """The bandwidth probe over `numel` elements (the elements the case writes): on the CPU the in-place stream,
+    or for a kernel that mostly writes (`writes`: unpack) the write probe; on a GPU a copy."""
+    from bench.kernels.optim_common import cuda_copy_roofline, stream_roofline, write_roofline
 
     if device == "cuda":
         return Provider("roofline", "roofline", lambda: cuda_copy_roofline(numel), bytes=8 * numel)
+    if writes:
+        return Provider("roofline", "roofline", lambda: write_roofline([numel]), bytes=4 * numel)
     return Provider("roofline", "roofline", lambda: stream_roofline([numel]), bytes=28 * numel)
 
 
@@ -292,7 +300,7 @@ def kernel_cases(sizes, dtypes=("fp32",), device: str = "cpu") -> list[KernelCas
             written = n // ROWS if average else n
             provs += [Provider("reference", "peer", functools.partial(make, "reference", device)),
                       Provider("torch_fill", "peer", functools.partial(fill_runner, written, device)),
-                      _roofline(device, written)]  # fmt: skip
+                      _roofline(device, written, writes=True)]  # fmt: skip
             what = f"the mean of the rows, {_fmt(n // ROWS)}" if average else f"each row times its scale, {_fmt(n)}"
             own = unpack_bytes(n, average=average)
             desc = (f"unpack the sign bits of {_fmt(n)} elements in {ROWS} rows: {what} fp32 into a preallocated out; "
@@ -458,8 +466,10 @@ def table(case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
     legend = (
         "ms: median of interleaved rounds; GB/s: the kernel's own bytes (pack: two sweeps, 20.125 B per fp32 "
         "element; unpack: bits read + fp32 written) over the time; of roofline: that rate over the bandwidth probe's "
-        "in the same rounds (CPU: the suite's in-place stream of Adam's shape, 28 B per element, over the elements "
-        f"the case writes; GPU: a copy). The {TARGET:g} target applies to the fraction over the kernel's own bytes."
+        "in the same rounds over the elements the case writes (CPU: for pack the suite's in-place stream of Adam's "
+        "shape, 28 B per element; for unpack, which mostly writes, the write probe, 4 B per element, with "
+        "cache-bypassing stores from 8 MiB as unpack's; GPU: a copy). "
+        f"The {TARGET:g} target applies to the fraction over the kernel's own bytes."
     )
     if pack:
         legend += (
@@ -470,7 +480,8 @@ def table(case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
         legend += (
             " torch_fill: out.fill_ of the same output (its figures use the unpack's bytes, bits included, though it "
             "reads none): only writing the output, with the ordinary stores that read each line before writing it "
-            "(so twice the counted bytes cross the memory bus, where the in-place probe's writes cost nothing extra); "
+            "(so twice the counted bytes cross the memory bus, where the probe's cache-bypassing stores read nothing "
+            "from 8 MiB); "
             "a speedup near 1 means the unpack is as fast as writing its output at all."
         )
     return lines + ["", legend]

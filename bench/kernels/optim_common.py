@@ -98,6 +98,35 @@ def stream_roofline(sizes: list[int]) -> Runner:
     return Runner(step=step, check=check)
 
 
+STREAM_OUT_BYTES = 8 << 20  # csrc/cpu/onebit.cpp's kStreamOutBytes: larger outputs bypass the cache
+
+
+def write_roofline(sizes: list[int]) -> Runner:
+    """The CPU write-bandwidth probe: every element of tensors of the case's
+    sizes set, nothing read (4 B per element), as the 1-bit unpack writes:
+    plain stores while the output fits in the caches, cache-bypassing ones
+    from STREAM_OUT_BYTES. The ceiling of a kernel that mostly writes, where
+    the in-place probe, whose writes follow its reads of the same lines,
+    overstates it."""
+    ops = native.cpu_ops()
+    if ops is None:
+        raise Unavailable(f"native kernels unavailable: {native.cpu_ops_error()}")
+    isa = native.ISA_NAMES.index(native.cpu_isa())
+    arrays = [torch.empty(n) for n in sizes]
+    ptrs = [t.data_ptr() for t in arrays]
+    nt = 4 * sum(sizes) >= STREAM_OUT_BYTES
+
+    def step():
+        ops.stream_fill(isa, ptrs, sizes, 0.5, nt, torch.get_num_threads())
+
+    def check():
+        step()
+        for t in arrays:
+            assert bool((t == 0.5).all()), "the write probe left other values"
+
+    return Runner(step=step, check=check)
+
+
 def cuda_copy_roofline(numel: int) -> Runner:
     """The GPU's copy bandwidth: dst.copy_(src) over `numel` fp32 elements
     (bytes read plus written = 8 per element)."""

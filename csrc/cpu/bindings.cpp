@@ -144,6 +144,16 @@ void onebit_unpack(int isa, uintptr_t bits, uintptr_t scales, uintptr_t out, int
                     reinterpret_cast<float*>(out), rows, row_bytes, average, num_threads);
 }
 
+void stream_fill(int isa, const std::vector<uintptr_t>& a, const std::vector<int64_t>& numel, double s, bool nt,
+                 int num_threads) {
+  if (a.size() != numel.size()) throw std::invalid_argument("stream_fill: tensor lists differ in length");
+  for (int64_t k : numel)
+    if (k < 0) throw std::invalid_argument("stream_fill: negative element count");
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::stream_fill(checked, a, numel, float(s), nt, num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_ops, m) {
@@ -157,6 +167,8 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.def("onebit_pack", &onebit_pack,
         "1-bit pack: y = x + error; per-chunk scale, sign bits, new error (see csrc/cpu/onebit.h).");
   m.def("onebit_unpack", &onebit_unpack, "1-bit unpack: signs times scales, per row or averaged over rows.");
+  m.def("stream_fill", &stream_fill,
+        "Write-bandwidth probe: a[:] = s over lists of fp32 tensors (cache-bypassing stores if nt).");
   m.def("stream_update", &stream_update,
         "Bandwidth probe: a += s*b, c += s*b, d += s*b over lists of fp32 tensors.");
 }

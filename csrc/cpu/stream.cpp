@@ -32,4 +32,22 @@ bool stream_update(Isa isa, const std::vector<uintptr_t>& a, const std::vector<u
   return true;
 }
 
+bool stream_fill(Isa isa, const std::vector<uintptr_t>& a, const std::vector<int64_t>& numel, float s, bool nt,
+                 int num_threads) {
+  using Fn = void (*)(float*, int64_t, float, bool);
+  Fn fn = nullptr;
+  switch (isa) {
+#ifdef FZ_HAVE_X86_SIMD
+    case kAvx512: fn = &avx512::fill_segment; break;
+    case kAvx2: fn = &avx2::fill_segment; break;
+#endif
+    case kScalar: fn = &scalar::fill_segment; break;
+    default: return false;
+  }
+  for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t len) {
+    fn(reinterpret_cast<float*>(a[t]) + off, len, s, nt);
+  });
+  return true;
+}
+
 }  // namespace fz

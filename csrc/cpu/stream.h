@@ -16,4 +16,9 @@ bool stream_update(Isa isa, const std::vector<uintptr_t>& a, const std::vector<u
                    const std::vector<uintptr_t>& c, const std::vector<uintptr_t>& d,
                    const std::vector<int64_t>& numel, float s, int num_threads);
 
+// a[:] = s over lists of fp32 tensors, with cache-bypassing stores when
+// `nt`: the write-bandwidth probe. Returns false if `isa` was not built.
+bool stream_fill(Isa isa, const std::vector<uintptr_t>& a, const std::vector<int64_t>& numel, float s, bool nt,
+                 int num_threads);
+
 }  // namespace fz
