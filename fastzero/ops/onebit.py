@@ -23,10 +23,6 @@ from fastzero.ops.reference import onebit as ref
 _PACK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _backend(op: str, device: torch.device, force: str | None) -> str:
-    return device_backend(op, device.type, force)
-
-
 def _check_pack(x: Tensor, error: Tensor, chunks: int) -> None:
     if x.dtype not in _PACK_DTYPES:
         raise TypeError(f"onebit pack: x is {x.dtype}; use float32, float16 or bfloat16")
@@ -51,7 +47,7 @@ def pack(x: Tensor, error: Tensor, chunks: int = 1, *, backend: str | None = Non
     _check_pack(x, error, chunks)
     bits = torch.empty(x.numel() // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(chunks, dtype=torch.float32, device=x.device)
-    which = _backend("onebit_pack", x.device, backend)
+    which = device_backend("onebit_pack", x.device.type, backend)
     if which == "reference":
         b, s, e = ref.compress(x.reshape(-1), error.reshape(-1), chunks)
         bits.copy_(b)
@@ -85,7 +81,7 @@ def unpack(bits: Tensor, scales: Tensor, *, average: bool = False, out: Tensor |
         out = torch.empty(numel, dtype=torch.float32, device=bits.device)
     elif out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous() or out.device != bits.device:
         raise ValueError(f"onebit unpack: out must be a contiguous float32 tensor of {numel} on {bits.device}")
-    which = _backend("onebit_unpack", bits.device, backend)
+    which = device_backend("onebit_unpack", bits.device.type, backend)
     if which == "reference":
         values = ref.decompress(bits, scales)
         out.copy_(values.reshape(rows, -1).mean(0) if average else values)

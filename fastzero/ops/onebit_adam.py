@@ -18,6 +18,7 @@ none in either phase; ``bias_correction=False`` gives its math.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -309,8 +310,6 @@ class OneBitAdam(FusedAdam):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        import warnings
-
         state_dict = dict(state_dict)
         saved = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
