@@ -11,7 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
@@ -58,6 +58,9 @@ class OptionalBuildExt(build_ext):
         print(f"fastzero: native kernels were not built ({exc}); they will be built on first use", file=sys.stderr)
 
 
+MAPPED = {"fastzero.triton_kernels": "triton_kernels", "fastzero._csrc": "csrc", "fastzero.bench": "bench"}
+
+
 def extensions():
     if os.environ.get("FASTZERO_BUILD_NATIVE", "1") == "0":
         return []
@@ -84,18 +87,21 @@ setup(
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
+    # Every package under fastzero/ (discovered, so a new one cannot be left
+    # out of the wheel), plus three folders installed inside fastzero's
+    # namespace: a top-level `triton_kernels` would shadow the Triton
+    # project's own package and a top-level `bench` is too generic a name;
+    # csrc/ ships for the just-in-time build where install-time failed.
     packages=[
-        "fastzero",
-        "fastzero.ops",
-        "fastzero.ops.reference",
-        "fastzero.triton_kernels",
-        "fastzero._csrc",
+        *find_packages(include=["fastzero", "fastzero.*"]),
+        *MAPPED,
+        *[f"fastzero.bench.{p}" for p in find_packages("bench")],
     ],
-    # triton_kernels/ installs inside fastzero's namespace: a top-level
-    # `triton_kernels` would shadow the Triton project's own package.
-    # csrc/ ships too, for the just-in-time build where install-time failed.
-    package_dir={"fastzero.triton_kernels": "triton_kernels", "fastzero._csrc": "csrc"},
-    package_data={"fastzero._csrc": ["cpu/*.cpp", "cpu/*.h", "cpu/*.inc", "cuda/*.cu", "cuda/*.cuh", "cuda/*.h"]},
+    package_dir=MAPPED,
+    package_data={
+        "fastzero._csrc": ["cpu/*.cpp", "cpu/*.h", "cpu/*.inc", "cuda/*.cu", "cuda/*.cuh", "cuda/*.h"],
+        "fastzero.bench": ["baselines/*.json", "gpu_check.sh"],
+    },
     ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
     install_requires=["torch>=2.4", "pybind11>=2.10", "ninja"],

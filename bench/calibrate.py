@@ -16,14 +16,14 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from bench import compare, kernels
-from bench.harness import run_case
-from bench.machine import machine_info
-from bench.run import SCHEMA
+from . import compare, kernels
+from .harness import run_case
+from .machine import machine_info
+from .run import SCHEMA
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {__package__}.calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--json", type=Path, help="write every run's gated figures here")

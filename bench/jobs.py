@@ -12,7 +12,21 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+# "bench" in a source checkout, "fastzero.bench" in an install: workers run as
+# modules of whichever this is, with the folder that holds it on PYTHONPATH.
+PACKAGE = __package__
+ROOT = Path(sys.modules[PACKAGE.partition(".")[0]].__file__).resolve().parent.parent
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment a worker subprocess needs to import this package."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+def worker_command(module: str, *args: str) -> list[str]:
+    """``python -m <this package>.<module> ARGS``."""
+    return [sys.executable, "-m", f"{PACKAGE}.{module}", *args]
 
 
 class JobFailed(RuntimeError):
@@ -25,21 +39,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker: Path, spec: dict, world: int, timeout: float) -> dict:
-    """Runs `worker` (argv[1]: the JSON spec, plus ``out``, where rank 0
+def run_ranks(worker: str, spec: dict, world: int, timeout: float) -> dict:
+    """Runs the module `worker` of this package (argv[1]: the JSON spec, plus ``out``, where rank 0
     writes its JSON result) as `world` processes; returns that result.
     Raises JobFailed with the failing rank's log tail."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = dict(spec, out=os.path.join(tmp, "result.json"))
         port = str(free_port())
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         logs = [Path(tmp, f"rank{rank}.log") for rank in range(world)]
         procs = []
         for rank, log in enumerate(logs):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_PORT=port,
-                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONPATH=path)  # fmt: skip
+            env = worker_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_PORT=port,
+                             MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")  # fmt: skip
             with open(log, "w") as f:  # a file, not a pipe: no rank blocks on its output
-                procs.append(subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], env=env, stdout=f,
+                procs.append(subprocess.Popen(worker_command(worker, json.dumps(spec)), env=env, stdout=f,
                                               stderr=subprocess.STDOUT))  # fmt: skip
         deadline = time.monotonic() + timeout
         try:

@@ -44,8 +44,9 @@ def simulate_compressed(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, list[
     """The compressed all-reduce of `inputs` (one fp32 tensor per rank, a multiple of 8 * world elements, zero
     error buffers) worked out in one process from the reference's math (with exact scales: exact_compress):
     (result, worker errors, server errors per rank)."""
-    from bench.kernels.onebit import exact_compress
     from fastzero.ops.reference import onebit as ref
+
+    from .kernels.onebit import exact_compress
 
     world, numel = len(inputs), inputs[0].numel()
     packed = [exact_compress(x, world) for x in inputs]  # (bits, scales, worker error) per rank
@@ -65,8 +66,9 @@ def check(comm, numel: int) -> None:
     (on every rank: rank 0 decides and tells the others). compressed: every rank the same result, whose signs
     are the reference simulation's exactly (the kernels' scales differ from the reference's by rounding only)
     and values, and both error buffers, within that rounding; fp32 and fp16: the sums of every rank's input."""
-    from bench.kernels.onebit import _close
     from fastzero.comm import compressed_allreduce, error_buffers, padded_numel
+
+    from .kernels.onebit import _close
 
     world, rank = comm.world_size, comm.rank
     if numel % (8 * world):

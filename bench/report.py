@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from bench import kernels
-from bench.compare import Check
+from . import kernels
+from .compare import Check
 
 
 def _table(rows: list[dict]) -> dict:

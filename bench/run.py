@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from bench import compare, kernels, report
-from bench.harness import parse_size, run_case
-from bench.machine import machine_info
+from . import compare, kernels, report
+from .harness import parse_size, run_case
+from .machine import machine_info
 
 SCHEMA = 1
 
@@ -29,7 +29,7 @@ def _size(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {__package__}.run", description=__doc__.split("\n\n")[0])
     pick = ap.add_mutually_exclusive_group(required=True)
     pick.add_argument("--kernel", action="append", choices=sorted(kernels.KERNELS), help="kernel family (repeatable)")
     pick.add_argument("--all", action="store_true", help="every kernel family")

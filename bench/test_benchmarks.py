@@ -11,8 +11,8 @@ side, not raw times.
 
 import pytest
 
-from bench import kernels
-from bench.harness import Unavailable
+from . import kernels
+from .harness import Unavailable
 
 
 def _cases():

@@ -208,7 +208,7 @@ def kernel_vs_roofline(n: int, rounds: int, roofline: bool) -> dict:
 
     calls = {"kernel": adam}
     if roofline:
-        from bench.kernels.optim_common import stream_roofline
+        from .kernels.optim_common import stream_roofline
 
         probe = stream_roofline([n])  # kept: its step writes through raw pointers into arrays the runner holds
         calls["roofline"] = probe.step

@@ -16,15 +16,15 @@ import importlib
 from types import ModuleType
 
 KERNELS = {
-    "cpu_adam": "bench.kernels.cpu_adam",
-    "fused_adam": "bench.kernels.fused_adam",
-    "fused_lamb": "bench.kernels.fused_lamb",
-    "sparse_attention": "bench.kernels.sparse_attention",
-    "zero": "bench.kernels.zero",
-    "zero3": "bench.kernels.zero:ZERO3",
-    "offload": "bench.kernels.zero:OFFLOAD",
-    "onebit": "bench.kernels.onebit",
-    "onebit_allreduce": "bench.kernels.onebit:ALLREDUCE",
+    "cpu_adam": ".cpu_adam",
+    "fused_adam": ".fused_adam",
+    "fused_lamb": ".fused_lamb",
+    "sparse_attention": ".sparse_attention",
+    "zero": ".zero",
+    "zero3": ".zero:ZERO3",
+    "offload": ".zero:OFFLOAD",
+    "onebit": ".onebit",
+    "onebit_allreduce": ".onebit:ALLREDUCE",
 }
 
 
@@ -33,4 +33,5 @@ def load(name: str) -> ModuleType:
     if name not in KERNELS:
         raise SystemExit(f"unknown kernel {name!r}; known: {', '.join(KERNELS)} (see --list)")
     module, _, attr = KERNELS[name].partition(":")
-    return getattr(importlib.import_module(module), attr) if attr else importlib.import_module(module)
+    found = importlib.import_module(module, __package__)
+    return getattr(found, attr) if attr else found

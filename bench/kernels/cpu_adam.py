@@ -16,10 +16,11 @@ import os
 
 import torch
 
-from bench.harness import Case, Provider, Runner, Unavailable
-from bench.harness import format_size as _fmt
-from bench.kernels.optim_common import OptimData, first_step_check, split_sizes, stream_roofline
 from fastzero.ops import CPUAdam, cpu_adam_step, native, reference
+
+from ..harness import Case, Provider, Runner, Unavailable
+from ..harness import format_size as _fmt
+from .optim_common import OptimData, first_step_check, split_sizes, stream_roofline
 
 NAME = "cpu_adam"
 DESCRIPTION = "CPUAdam (SIMD C++) vs torch.optim.AdamW fused/foreach and DeepSpeedCPUAdam"

@@ -15,11 +15,12 @@ import functools
 
 import torch
 
-from bench.harness import Case, Provider, Runner, Unavailable
-from bench.harness import format_size as _fmt
-from bench.kernels.optim_common import OptimData, cuda_copy_roofline, first_step_check, split_sizes, stream_roofline
 from fastzero.ops import FusedAdam, reference
 from fastzero.ops.backend import cuda_status, triton_status
+
+from ..harness import Case, Provider, Runner, Unavailable
+from ..harness import format_size as _fmt
+from .optim_common import OptimData, cuda_copy_roofline, first_step_check, split_sizes, stream_roofline
 
 NAME = "fused_adam"
 DESCRIPTION = "FusedAdam (CUDA, Triton, CPU SIMD) vs torch.optim.AdamW(fused=True)"

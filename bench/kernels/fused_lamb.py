@@ -12,11 +12,12 @@ import functools
 
 import torch
 
-from bench.harness import Case, Provider, Runner
-from bench.harness import format_size as _fmt
-from bench.kernels.fused_adam import gpu_backend_ready
-from bench.kernels.optim_common import OptimData, cuda_copy_roofline, first_step_check, split_sizes, stream_roofline
 from fastzero.ops import FusedLamb, reference
+
+from ..harness import Case, Provider, Runner
+from ..harness import format_size as _fmt
+from .fused_adam import gpu_backend_ready
+from .optim_common import OptimData, cuda_copy_roofline, first_step_check, split_sizes, stream_roofline
 
 NAME = "fused_lamb"
 DESCRIPTION = "FusedLamb (CUDA, Triton, CPU SIMD) vs a plain-PyTorch LAMB"

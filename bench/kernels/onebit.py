@@ -70,14 +70,13 @@ import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from bench.harness import Case, Provider, Runner, Timing, Unavailable, run_case
-from bench.harness import format_size as _fmt
-from bench.jobs import JobFailed, run_ranks
+from ..harness import Case, Provider, Runner, Timing, Unavailable, run_case
+from ..harness import format_size as _fmt
+from ..jobs import JobFailed, run_ranks
 
 NAME = "onebit"
 DESCRIPTION = (
@@ -100,8 +99,7 @@ ALLREDUCE_SIZES, ALLREDUCE_QUICK_SIZES = [1 * M, 4 * M, 16 * M, 64 * M], [1 * M]
 WORLDS, QUICK_WORLDS = [2, 4], [2]
 ALLREDUCE_PROVIDERS = [("compressed", "ours"), ("fp32", "peer"), ("fp16", "peer")]
 LINKS = {"10gbps": 10e9 / 8, "100gbps": 100e9 / 8}  # bytes per second
-WORKER = Path(__file__).resolve().parents[1] / "onebit_worker.py"
-ROOT = WORKER.parents[1]
+WORKER = "onebit_worker"  # a module of the bench package, run as each rank
 
 
 def pack_bytes(numel: int, itemsize: int = 4, sweeps: int = 2) -> float:
@@ -266,7 +264,7 @@ def _ours(device: str) -> list[tuple[str, str]]:
 def _roofline(device: str, numel: int, writes: bool = False) -> Provider:
     """The bandwidth probe over `numel` elements (the elements the case writes): on the CPU the in-place stream,
     or for a kernel that mostly writes (`writes`: unpack) the write probe; on a GPU a copy."""
-    from bench.kernels.optim_common import cuda_copy_roofline, stream_roofline, write_roofline
+    from .optim_common import cuda_copy_roofline, stream_roofline, write_roofline
 
     if device == "cuda":
         return Provider("roofline", "roofline", lambda: cuda_copy_roofline(numel), bytes=8 * numel)

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import torch
 
-from bench.harness import Runner, Unavailable
 from fastzero.ops import native
 from fastzero.ops.reference.tolerances import assert_close
+
+from ..harness import Runner, Unavailable
 
 
 def split_sizes(total: int, count: int) -> list[int]:

@@ -46,7 +46,6 @@ import functools
 import gc
 import inspect
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -54,12 +53,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from bench.harness import Case, Provider, Runner, Unavailable, run_case
-from bench.harness import format_size as _fmt
+from ..harness import Case, Provider, Runner, Unavailable, run_case
+from ..harness import format_size as _fmt
+from ..jobs import ROOT, worker_command, worker_env
 
 NAME = "sparse_attention"
 DESCRIPTION = (
@@ -102,7 +101,6 @@ WORKER_THREADS = 1
 
 # normwise relative error per head against fp64, by input dtype
 CHECK_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-ROOT = Path(__file__).resolve().parents[2]
 _MARK = "@@sparse_attention@@"
 
 
@@ -653,15 +651,13 @@ def _release() -> None:
 
 
 def _run_worker(request: dict, timeout: float) -> dict:
-    """Runs this module as a subprocess (python -m bench.kernels.sparse_attention REQUEST) with glibc's mmap
+    """Runs this module as a subprocess (python -m <bench>.kernels.sparse_attention REQUEST) with glibc's mmap
     threshold fixed at 64 KiB and WORKER_THREADS threads; returns its result."""
     from fastzero.ops import sparse_attention as sa
 
     request = dict(request, threads=WORKER_THREADS, dense_max_seq=sa.DENSE_CPU_MAX_SEQ)
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, **MALLOC_ENV)
-    proc = subprocess.run([sys.executable, "-m", "bench.kernels.sparse_attention", json.dumps(request)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(worker_command("kernels.sparse_attention", json.dumps(request)), cwd=ROOT,
+                          env=worker_env(**MALLOC_ENV), capture_output=True, text=True, timeout=timeout)  # fmt: skip
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(_MARK)), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"memory worker exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")

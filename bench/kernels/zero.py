@@ -31,10 +31,9 @@ each family's legend).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from bench.harness import Case, Provider, Timing, Unavailable
-from bench.jobs import JobFailed, run_ranks
+from ..harness import Case, Provider, Timing, Unavailable
+from ..jobs import JobFailed, run_ranks
 
 DEVICES = ("cpu",)
 WORLD = 2
@@ -47,8 +46,7 @@ STEPS_PER_REPEAT = 3
 BUCKET = 2_000_000  # elements: 3 buckets at width 1024
 PREFETCH = 2_000_000  # stage 3: elements gathered ahead, two layers at width 1024
 PERSIST = 100_000  # stage 3: params smaller than this stay whole (the biases)
-WORKER = Path(__file__).resolve().parents[1] / "zero_worker.py"
-ROOT = WORKER.parents[1]
+WORKER = "zero_worker"  # a module of the bench package, run as each rank
 MiB = 1 << 20
 
 
