@@ -19,7 +19,8 @@ import torch
 from bench.harness import Case, Provider, Runner, Unavailable
 from bench.harness import format_size as _fmt
 from bench.kernels.optim_common import OptimData, first_step_check, split_sizes, stream_roofline
-from fastzero.ops import CPUAdam, cpu_adam_step, native, reference
+from fastzero import native
+from fastzero.ops import CPUAdam, cpu_adam_step, reference
 
 NAME = "cpu_adam"
 DESCRIPTION = "CPUAdam (SIMD C++) vs torch.optim.AdamW fused/foreach and DeepSpeedCPUAdam"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from bench.harness import Runner, Unavailable
-from fastzero.ops import native
+from fastzero import native
 from fastzero.ops.reference.tolerances import assert_close
 
 
