@@ -1,7 +1,7 @@
 """fastzero's build: the CPU kernels in csrc/cpu as one pybind11 extension.
 
 If the build fails (no compiler, say), the install still succeeds: the first
-use builds the kernels just in time with ninja (fastzero/native_build.py),
+use builds the kernels just in time with ninja (fastzero/native/build.py),
 and where that is impossible too the ops fall back to the PyTorch reference
 with a warning that names the cause. FASTZERO_BUILD_NATIVE=0 skips the build.
 """
@@ -15,7 +15,8 @@ from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-build = runpy.run_path(str(HERE / "fastzero" / "native_build.py"))
+# Standard library only, so run by path: fastzero (and torch) need not be importable here.
+build = runpy.run_path(str(HERE / "fastzero" / "native" / "build.py"))
 
 
 STRICT = os.environ.get("CI") == "true" or os.environ.get("FASTZERO_BUILD_STRICT") == "1"
@@ -26,9 +27,9 @@ class OptionalBuildExt(build_ext):
     CI (CI=true) or with FASTZERO_BUILD_STRICT=1, where it fails the install."""
 
     def run(self):
-        for build in (super().run, self.run_cuda):
+        for step in (super().run, self.run_cuda):
             try:
-                build()
+                step()
             except Exception as exc:
                 self._failed(exc)
 
@@ -43,13 +44,12 @@ class OptionalBuildExt(build_ext):
         sm_90, or FASTZERO_CUDA_ARCHS) instead of on first use."""
         if os.environ.get("FASTZERO_BUILD_CUDA") != "1":
             return
-        cuda = runpy.run_path(str(HERE / "fastzero" / "cuda_build.py"))
         archs = [a.strip() for a in os.environ.get("FASTZERO_CUDA_ARCHS", "").replace(",", ";").split(";") if a.strip()]
-        objects = cuda["compile_objects"](Path(self.build_temp) / "cuda", archs=tuple(archs) or cuda["ARCHS"])
+        objects = build["compile_objects"](Path(self.build_temp) / "cuda", archs=tuple(archs) or build["CUDA_ARCHS"])
         in_tree = self.inplace or getattr(self, "editable_mode", False)  # pip install -e: beside the sources
         package_dir = HERE / "fastzero" if in_tree else Path(self.build_lib) / "fastzero"
         package_dir.mkdir(parents=True, exist_ok=True)
-        cuda["link"](objects, package_dir / cuda["LIBRARY"])
+        build["link"](objects, package_dir / build["CUDA_LIBRARY"])
 
     @staticmethod
     def _failed(exc):
@@ -70,11 +70,11 @@ def extensions():
         return []
     return [
         Pybind11Extension(
-            f"fastzero.{build['MODULE']}",
-            sources=[f"csrc/cpu/{s}" for s in build["SOURCES"]],
+            f"fastzero.{build['CPU_MODULE']}",
+            sources=[f"csrc/cpu/{s}" for s in build["CPU_SOURCES"]],
             include_dirs=["csrc/cpu"],
             extra_compile_args=list(build["CXXFLAGS"]),
-            extra_link_args=[f for f in build["LDFLAGS"] if f != "-shared"],
+            extra_link_args=[f for f in build["CPU_LDFLAGS"] if f != "-shared"],
             cxx_std=17,
         )
     ]

@@ -52,21 +52,21 @@ gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
 print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', tv, 'gpu', gpu)
 "
 step build_cpu "$PY" -c "
-from fastzero.ops import native
+from fastzero import native
 assert native.cpu_ops() is not None, native.cpu_ops_error()
 print('CPU kernels:', native.cpu_isa())
 "
 if ((DRY)); then
   step compile_cuda "$PY" -c "
-from fastzero import cuda_build
-out = cuda_build.compile_check()
+from fastzero.native import build
+out = build.compile_check()
 print({arch: [p.name for p in objs] for arch, objs in out.items()})
 "
   step bench_list "$PY" -m bench.run --list --device cuda
 else
   step build_cuda "$PY" -c "
-from fastzero.ops import cuda
-ok, why = cuda.available()
+from fastzero import native
+ok, why = native.cuda_available()
 assert ok, why
 print('CUDA kernels ready')
 "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastzero.ops import native
+from fastzero import native
 
 
 def _cpu_model() -> str:

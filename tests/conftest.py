@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fastzero.ops import native
+from fastzero import native
 
 
 @pytest.fixture(params=native.supported_isas() or ["none"])

@@ -65,7 +65,7 @@ def test_low_precision_params_round_trip_exactly(isa, seeded, p_dtype):
 def test_isa_paths_agree(seeded, monkeypatch):
     """Every ISA path computes the same numbers (to fp32 rounding: only the
     scalar path may round a multiply-add in two steps)."""
-    from fastzero.ops import native
+    from fastzero import native
 
     isas = native.supported_isas()
     if len(isas) < 2:

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import torch
 
-from fastzero import cuda_build
+from fastzero.native import abi, build, loader
 from fastzero.ops import cuda as fz_cuda
 from fastzero.ops import reference
 from fastzero.ops.reference.tolerances import assert_close
@@ -31,8 +31,8 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 def _nvcc_or_skip() -> str:
     try:
-        return cuda_build.find_nvcc()
-    except cuda_build.BuildError as exc:
+        return build.find_nvcc()
+    except build.BuildError as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must compile the CUDA sources, but: {exc}")
         pytest.skip(f"no CUDA compiler here: {exc}")
@@ -42,22 +42,22 @@ def _nvcc_or_skip() -> str:
 def cuda_objects(tmp_path_factory):
     """Every source compiled once per arch (sm_80, sm_90), shared by the tests."""
     _nvcc_or_skip()
-    return cuda_build.compile_check(cuda_build.ARCHS, tmp_path_factory.mktemp("cuda-objects"))
+    return build.compile_check(build.CUDA_ARCHS, tmp_path_factory.mktemp("cuda-objects"))
 
 
 @pytest.fixture(scope="module")
 def cuda_library(cuda_objects, tmp_path_factory):
     """The shared library linked from the sm_90 objects, loaded with ctypes
     (it links cudart statically, so this works without a driver)."""
-    path = cuda_build.link(cuda_objects["90"], tmp_path_factory.mktemp("cuda-lib") / cuda_build.LIBRARY)
-    return path, fz_cuda.bind(ctypes.CDLL(str(path)))
+    path = build.link(cuda_objects["90"], tmp_path_factory.mktemp("cuda-lib") / build.CUDA_LIBRARY)
+    return path, loader.bind_cuda(ctypes.CDLL(str(path)))
 
 
 def test_every_cuda_source_compiles(cuda_objects):
     """compile_check refuses a .cu missing from SOURCES, so every one is here."""
-    assert sorted(cuda_objects) == sorted(cuda_build.ARCHS) == ["80", "90"]
+    assert sorted(cuda_objects) == sorted(build.CUDA_ARCHS) == ["80", "90"]
     for arch, objects in cuda_objects.items():
-        assert [o.name for o in objects] == [f"{n.removesuffix('.cu')}.sm_{arch}.o" for n in cuda_build.SOURCES]
+        assert [o.name for o in objects] == [f"{n.removesuffix('.cu')}.sm_{arch}.o" for n in build.CUDA_SOURCES]
         for o in objects:
             assert o.stat().st_size > 0, o
 
@@ -67,22 +67,22 @@ def test_warnings_fail_the_build(tmp_path):
     nvcc = _nvcc_or_skip()
     src = tmp_path / "warn.cu"
     src.write_text("__global__ void k(float* x) { int unused = 3; x[0] = 1.0f; }\n")
-    with pytest.raises(cuda_build.BuildError, match="unused"):
-        cuda_build.compile_source(src, tmp_path / "warn.o", ("90",), nvcc=nvcc)
+    with pytest.raises(build.BuildError, match="unused"):
+        build.compile_source(src, tmp_path / "warn.o", ("90",), nvcc=nvcc)
     src.write_text("__global__ void k(float* x) { x[0] = 1.0f; }\n")
-    cuda_build.compile_source(src, tmp_path / "ok.o", ("90",), nvcc=nvcc)
+    build.compile_source(src, tmp_path / "ok.o", ("90",), nvcc=nvcc)
 
 
 def test_library_exports_exactly_the_c_abi(cuda_library):
     path, lib = cuda_library
-    assert lib.fz_cuda_abi_version() == fz_cuda.ABI_VERSION
+    assert lib.fz_cuda_abi_version() == abi.CUDA_ABI_VERSION
     assert lib.fz_cuda_chunk_elems() == 65536
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("no nm to list the exported symbols")
     out = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
-    assert exported == set(fz_cuda._SIGNATURES)  # no cudart or C++ runtime symbol leaks out
+    assert exported == set(abi.CUDA_SIGNATURES)  # no cudart or C++ runtime symbol leaks out
 
 
 def test_library_needs_no_cudart_at_load_time(cuda_library):
@@ -182,7 +182,7 @@ def test_chunk_tables_cover_every_chunk_once(tmp_path):
     nvcc = _nvcc_or_skip()
     (tmp_path / "tables.cu").write_text(TABLES_CHECK)
     exe = tmp_path / "tables"
-    cmd = [nvcc, "-std=c++17", f"-I{cuda_build.source_dir()}", str(tmp_path / "tables.cu"), "-o", str(exe)]
+    cmd = [nvcc, "-std=c++17", f"-I{build.cuda_source_dir()}", str(tmp_path / "tables.cu"), "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-3000:]
@@ -238,7 +238,7 @@ def test_launch_without_a_driver_is_an_error_not_a_crash(cuda_library):
 
 
 def test_native_code_includes_no_pytorch_header():
-    for path in cuda_build.source_dir().iterdir():
+    for path in build.cuda_source_dir().iterdir():
         includes = [line for line in path.read_text().splitlines() if line.lstrip().startswith("#include")]
         assert includes, path
         for line in includes:
@@ -255,13 +255,21 @@ def _cpu_lists(n=5):
 
 ADAM_HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, bias_correction=True, adamw_mode=True)
 LAMB_HYPER = dict(
-    lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, eps_inside_sqrt=False, weight_decay=0.01, bias_correction=True,
-    max_grad_norm=0.0, max_coeff=10.0, min_coeff=0.01,
-)  # fmt: skip
+    lr=1e-2,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-6,
+    eps_inside_sqrt=False,
+    weight_decay=0.01,
+    bias_correction=True,
+    max_grad_norm=0.0,
+    max_coeff=10.0,
+    min_coeff=0.01,
+)
 
 
 def test_import_and_available_never_crash():
-    ok, why = fz_cuda.available()
+    ok, why = loader.cuda_available()
     assert isinstance(ok, bool) and isinstance(why, str)
     if not torch.cuda.is_available():
         assert not ok and "CUDA" in why
@@ -296,24 +304,24 @@ def test_empty_lists_need_no_library():
 
 
 def test_unavailable_kernels_raise_with_the_cause(monkeypatch):
-    monkeypatch.setattr(fz_cuda, "_load", lambda: (None, "nvcc (the CUDA compiler) was not found"))
+    monkeypatch.setattr(loader, "_load_cuda", lambda: (None, "nvcc (the CUDA compiler) was not found"))
     with pytest.raises(RuntimeError, match="adam_step: the CUDA kernels are unavailable: nvcc"):
-        fz_cuda._lib("adam_step")
+        loader.cuda_lib("adam_step")
 
 
 def test_missing_nvcc_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("NVCC", str(tmp_path / "no-such-nvcc"))
     monkeypatch.setenv("FASTZERO_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FASTZERO_CUDA_LIB", raising=False)
-    with pytest.raises(cuda_build.BuildError, match="NVCC"):
-        cuda_build.jit_build()
-    fz_cuda._load.cache_clear()
+    with pytest.raises(build.BuildError, match="NVCC"):
+        build.build_cuda()
+    loader._load_cuda.cache_clear()
     try:
-        lib, why = fz_cuda._load()
+        lib, why = loader._load_cuda()
         if lib is None:  # unless an install-time build sits beside the package
             assert "no-such-nvcc" in why
     finally:
-        fz_cuda._load.cache_clear()
+        loader._load_cuda.cache_clear()
 
 
 # ---------------------------------------------------------------------------
@@ -399,9 +407,7 @@ def run(kind, sizes, combos, *, steps=20, grad_scale=None, unaligned=False, **hy
                 reference.adam_step(*lists[:4], step=step, grad_scale=grad_scale, param_copies=lists[4], **hyper)
         else:
             fz_cuda.lamb_step(*kernel[:4], step=t, grad_scale=s, param_copies=kernel[4], coeffs_out=coeffs, **hyper)
-            ratios = reference.lamb_step(
-                *ref[:4], step=step, grad_scale=grad_scale, param_copies=ref[4], **hyper
-            )  # fmt: skip
+            ratios = reference.lamb_step(*ref[:4], step=step, grad_scale=grad_scale, param_copies=ref[4], **hyper)
             reference.lamb_step(*ideal[:4], step=step, grad_scale=grad_scale, param_copies=ideal[4], **hyper)
     torch.cuda.synchronize()
     return kernel, ref, ideal, (coeffs, ratios)
@@ -415,7 +421,7 @@ def check_ratios(coeffs, ratios, param_dtypes):
 @gpu
 @needs_cuda
 def test_available_on_a_gpu():
-    ok, why = fz_cuda.available()
+    ok, why = loader.cuda_available()
     assert ok, why
 
 
@@ -452,8 +458,9 @@ def test_adam_modes_and_grad_scale(adamw_mode, bias_correction, grad_scale):
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0, 1e9])  # none, clipping, a bound never reached
 def test_lamb_modes_grad_scale_and_clipping(eps_inside_sqrt, bias_correction, grad_scale, max_grad_norm):
     torch.manual_seed(1234)
-    hyper = dict(LAMB_HYPER, eps_inside_sqrt=eps_inside_sqrt, bias_correction=bias_correction,
-                 max_grad_norm=max_grad_norm)  # fmt: skip
+    hyper = dict(
+        LAMB_HYPER, eps_inside_sqrt=eps_inside_sqrt, bias_correction=bias_correction, max_grad_norm=max_grad_norm
+    )
     combos = [(F32, F32, F32, None), (F32, BF16, F32, None)]  # two grad dtypes: the norm spans both launches
     sizes = [17, 1023, 4099, 70001]
     kernel, ref, ideal, (coeffs, ratios) = run("lamb", sizes, combos, grad_scale=grad_scale, **hyper)
@@ -532,8 +539,15 @@ def test_found_inf_changes_nothing(kind, flag):
         fz_cuda.adam_step(*tensors[:4], step=step, found_inf=found, param_copies=tensors[4], **ADAM_HYPER)
     else:
         hyper = dict(LAMB_HYPER, max_grad_norm=1.0)
-        fz_cuda.lamb_step(*tensors[:4], step=step, found_inf=found, param_copies=tensors[4], coeffs_out=coeffs,
-                          grad_scale=torch.tensor(2.0, device="cuda"), **hyper)  # fmt: skip
+        fz_cuda.lamb_step(
+            *tensors[:4],
+            step=step,
+            found_inf=found,
+            param_copies=tensors[4],
+            coeffs_out=coeffs,
+            grad_scale=torch.tensor(2.0, device="cuda"),
+            **hyper,
+        )
     for a, b in zip(sum(tensors, []), sum(before, [])):
         assert torch.equal(a, b)
     assert torch.equal(coeffs, torch.full((3,), -7.0, device="cuda"))
@@ -544,8 +558,9 @@ def test_found_inf_changes_nothing(kind, flag):
         fz_cuda.adam_step(*kernel[:4], step=step, found_inf=found, param_copies=kernel[4], **ADAM_HYPER)
         reference.adam_step(*ref[:4], step=3, param_copies=ref[4], **ADAM_HYPER)
     else:
-        fz_cuda.lamb_step(*kernel[:4], step=step, found_inf=found, param_copies=kernel[4], coeffs_out=coeffs,
-                          **LAMB_HYPER)  # fmt: skip
+        fz_cuda.lamb_step(
+            *kernel[:4], step=step, found_inf=found, param_copies=kernel[4], coeffs_out=coeffs, **LAMB_HYPER
+        )
         reference.lamb_step(*ref[:4], step=3, param_copies=ref[4], **LAMB_HYPER)
     check_all(kernel, ref, ref)
 
@@ -590,8 +605,9 @@ def test_results_are_deterministic():
     for _ in range(2):
         t = clone_all(base)
         coeffs = torch.empty(3, device="cuda")
-        fz_cuda.lamb_step(*t[:4], step=torch.tensor(1.0, device="cuda"), coeffs_out=coeffs,
-                          **dict(LAMB_HYPER, max_grad_norm=1.0))  # fmt: skip
+        fz_cuda.lamb_step(
+            *t[:4], step=torch.tensor(1.0, device="cuda"), coeffs_out=coeffs, **dict(LAMB_HYPER, max_grad_norm=1.0)
+        )
         outs.append((t, coeffs))
     assert torch.equal(outs[0][1], outs[1][1])
     for a, b in zip(sum(outs[0][0][:4], []), sum(outs[1][0][:4], [])):
@@ -608,8 +624,10 @@ def test_device_checks_on_a_gpu():
         fz_cuda.adam_step(p, [g[0].cpu()], m, v, step=torch.tensor(1.0, device="cuda"), **ADAM_HYPER)
     with pytest.raises(ValueError, match="not contiguous"):
         w = torch.randn(5, 2, device="cuda").t()
-        fz_cuda.adam_step([w], [w.clone()], [w.clone()], [w.clone()], step=torch.tensor(1.0, device="cuda"),
-                          **ADAM_HYPER)  # fmt: skip
+        fz_cuda.adam_step(
+            [w], [w.clone()], [w.clone()], [w.clone()], step=torch.tensor(1.0, device="cuda"), **ADAM_HYPER
+        )
     with pytest.raises(ValueError, match="coeffs_out must be float32 with one element per param"):
-        fz_cuda.lamb_step(p, g, m, v, step=torch.tensor(1.0, device="cuda"), coeffs_out=torch.ones(2, device="cuda"),
-                          **LAMB_HYPER)  # fmt: skip
+        fz_cuda.lamb_step(
+            p, g, m, v, step=torch.tensor(1.0, device="cuda"), coeffs_out=torch.ones(2, device="cuda"), **LAMB_HYPER
+        )

@@ -129,7 +129,7 @@ def test_unknown_isa(monkeypatch, value, match):
 
 
 def test_native_refuses_isa_the_cpu_lacks():
-    from fastzero.ops import native
+    from fastzero import native
 
     ops = native.cpu_ops()
     if ops is None:

@@ -9,14 +9,14 @@ import warnings
 import pytest
 import torch
 
-from fastzero import native_build
-from fastzero.ops import CPUAdam, backend, backends, native, report
+from fastzero.native import build, loader
+from fastzero.ops import CPUAdam, backend, backends, report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_native_code_includes_no_pytorch_header():
-    src = native_build.source_dir()
+    src = build.cpu_source_dir()
     for path in src.iterdir():
         text = path.read_text()
         assert "torch/" not in text and "ATen" not in text and "c10/" not in text, path
@@ -32,7 +32,7 @@ def test_report_lists_every_backend():
 
 
 def test_fallback_to_reference_warns_once_and_names_the_cause(monkeypatch):
-    monkeypatch.setattr(native, "_load", lambda: (None, "no C++ compiler found"))
+    monkeypatch.setattr(loader, "_load_cpu", lambda: (None, "no C++ compiler found"))
     monkeypatch.setattr(backend, "_warned", set())
     p = torch.nn.Parameter(torch.randn(5))
     p.grad = torch.randn(5)
@@ -47,7 +47,7 @@ def test_fallback_to_reference_warns_once_and_names_the_cause(monkeypatch):
 
 
 def test_forcing_cpu_without_kernels_is_an_error(monkeypatch):
-    monkeypatch.setattr(native, "_load", lambda: (None, "no C++ compiler found"))
+    monkeypatch.setattr(loader, "_load_cpu", lambda: (None, "no C++ compiler found"))
     monkeypatch.setenv("FASTZERO_BACKEND", "cpu")
     p = torch.nn.Parameter(torch.randn(5))
     p.grad = torch.randn(5)
@@ -60,7 +60,8 @@ def test_just_in_time_build_into_a_cache(tmp_path):
     code = (
         "import sys, torch\n"
         "sys.modules['fastzero._cpu_ops'] = None  # hide the install-time build\n"
-        "from fastzero.ops import CPUAdam, native\n"
+        "from fastzero import native\n"
+        "from fastzero.ops import CPUAdam\n"
         "p = torch.nn.Parameter(torch.randn(100)); p.grad = torch.randn(100)\n"
         "opt = CPUAdam([p]); opt.step()\n"
         "print(opt.backend, native.cpu_ops().__file__)\n"
@@ -75,8 +76,8 @@ def test_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing to find
     monkeypatch.setenv("FASTZERO_CACHE_DIR", str(tmp_path))
-    with pytest.raises(native_build.BuildError, match="no C\\+\\+ compiler"):
-        native_build.jit_build()
+    with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
+        build.build_cpu()
 
 
 def test_triton_kernels_live_inside_fastzero(tmp_path):

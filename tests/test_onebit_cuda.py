@@ -2,7 +2,7 @@
 fastzero.ops.cuda.onebit_pack and onebit_unpack).
 
 Without a GPU: onebit.cu compiles for sm_80 and sm_90 with warnings as errors
-(tests/test_cuda_backend.py compiles every source of cuda_build.SOURCES and
+(tests/test_cuda_backend.py compiles every source of build.CUDA_SOURCES and
 checks that the library exports exactly ``_SIGNATURES``); here its entry
 points refuse bad arguments with codes and messages, and the Python side
 refuses CPU tensors and bad shapes before any pointer crosses.
@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from fastzero import cuda_build
+from fastzero.native import abi, build
 from fastzero.ops import cuda as fz_cuda
 from fastzero.ops import onebit
 from fastzero.ops.reference import onebit as ref
@@ -42,14 +42,14 @@ def onebit_lib(tmp_path_factory):
     static: this works without a driver), with the 1-bit signatures bound."""
     nvcc = _nvcc_or_skip()
     out = tmp_path_factory.mktemp("onebit-lib")
-    src = cuda_build.source_dir()
+    src = build.cuda_source_dir()
     objects = [
-        cuda_build.compile_source(src / n, out / f"{n}.o", ("90",), nvcc=nvcc) for n in ("common.cu", "onebit.cu")
+        build.compile_source(src / n, out / f"{n}.o", ("90",), nvcc=nvcc) for n in ("common.cu", "onebit.cu")
     ]
-    lib = ctypes.CDLL(str(cuda_build.link(objects, out / cuda_build.LIBRARY, nvcc)))
+    lib = ctypes.CDLL(str(build.link(objects, out / build.CUDA_LIBRARY, nvcc)))
     for name in _ONEBIT_FUNCTIONS:
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = fz_cuda._SIGNATURES[name]
+        fn.restype, fn.argtypes = abi.CUDA_SIGNATURES[name]
     return lib
 
 

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from fastzero.ops import CPUAdam, cpu_adam_step, native, reference
+from fastzero import native
+from fastzero.ops import CPUAdam, cpu_adam_step, reference
 
 from ..harness import Case, Provider, Runner, Unavailable
 from ..harness import format_size as _fmt

@@ -116,7 +116,7 @@ def unpack_bytes(numel: int, rows: int = ROWS, average: bool = True) -> float:
 
 
 def _available(backend: str, device: str) -> None:
-    from fastzero.ops import native
+    from fastzero import native
     from fastzero.ops.backend import cuda_status, triton_status
 
     if device == "cuda" and not torch.cuda.is_available():

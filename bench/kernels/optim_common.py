@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from fastzero.ops import native
+from fastzero import native
 from fastzero.ops.reference.tolerances import assert_close
 
 from ..harness import Runner, Unavailable

@@ -7,7 +7,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from fastzero.ops import native
+from fastzero import native
 
 BACKENDS = ("cuda", "triton", "cpu", "reference")
 
@@ -61,11 +61,7 @@ def cpu_backend(op: str) -> str:
 
 def cuda_status() -> tuple[bool, str]:
     """Whether fastzero's CUDA kernels can run here, and why not."""
-    try:
-        from fastzero.ops import cuda as cuda_ops
-    except ImportError as exc:
-        return False, f"the CUDA backend is not installed ({exc})"
-    return cuda_ops.available()
+    return native.cuda_available()
 
 
 def triton_status(device_type: str = "cuda") -> tuple[bool, str]:

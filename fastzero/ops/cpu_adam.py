@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastzero import native
 from fastzero.checks import (
     check_adam_hyperparams,
     check_cpu_tensor,
@@ -22,7 +23,7 @@ from fastzero.checks import (
     check_optimizer_lists,
     check_step,
 )
-from fastzero.ops import native, reference
+from fastzero.ops import reference
 from fastzero.ops.backend import cpu_backend
 from fastzero.ops.optimizer import AdamFamilyOptimizer, GroupLists
 

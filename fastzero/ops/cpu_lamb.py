@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from fastzero import native
 from fastzero.checks import (
     check_adam_hyperparams,
     check_grad_scale,
@@ -16,7 +17,7 @@ from fastzero.checks import (
     check_optimizer_lists,
     check_step,
 )
-from fastzero.ops import native, reference
+from fastzero.ops import reference
 from fastzero.ops.backend import cpu_backend
 
 

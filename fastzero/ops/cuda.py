@@ -2,12 +2,12 @@
 
 Python owns the tensors: every check (device, dtype, contiguity, sizes)
 happens here, before a pointer reaches the kernels' C ABI
-(csrc/cuda/fastzero_cuda.h), which is loaded with ctypes. The library is
-built just in time with nvcc into a cache on first use
-(:func:`fastzero.cuda_build.jit_build`), or taken from ``$FASTZERO_CUDA_LIB``
-or an install-time build beside the package. Importing this module never
-fails: without a GPU, nvcc or a working build, :func:`available` says why and
-the step functions raise that reason when called.
+(csrc/cuda/fastzero_cuda.h), which :mod:`fastzero.native.loader` loads
+with ctypes (an install-time build, ``$FASTZERO_CUDA_LIB``, or a
+just-in-time build with nvcc into a cache on first use). Importing this
+module never fails: without a GPU, nvcc or a working build,
+:func:`fastzero.native.cuda_available` says why and the ops raise that
+reason when called.
 
 Per-step scalars stay on the device, so a step never waits for the GPU:
 ``step`` (t >= 1), ``grad_scale`` and ``found_inf`` are 0-d float32 tensors
@@ -19,158 +19,19 @@ combination is one multi-tensor launch (or a few, for very long lists).
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from fastzero import cuda_build
 from fastzero.checks import check_adam_hyperparams, check_device_step, check_lamb_hyperparams
-
-# Dtype codes shared with csrc/cuda/common.cuh (and csrc/cpu/common.h).
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-NO_DTYPE = -1
-ABI_VERSION = 2  # FZ_CUDA_ABI_VERSION of fastzero_cuda.h
+from fastzero.native import DTYPE_CODES, NO_DTYPE, check_rc, cuda_lib
 
 _ADAM_CPU_HINT = (
     "; for CPU tensors use fastzero.ops.CPUAdam (or cpu_adam_step), or FusedAdam, which takes its CPU path for them"
 )
 _LAMB_CPU_HINT = "; for CPU tensors use fastzero.ops.FusedLamb, which takes its CPU path for them"
 _ONEBIT_CPU_HINT = "; for CPU tensors use fastzero.ops.onebit.pack and unpack, which take their CPU path for them"
-
-_VP, _I, _I64, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
-_PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
-_SIGNATURES = {
-    "fz_cuda_abi_version": (_I, []),
-    "fz_cuda_last_error": (ctypes.c_char_p, []),
-    "fz_cuda_chunk_elems": (_I64, []),
-    "fz_cuda_check_device": (_I, []),
-    "fz_cuda_adam": (
-        _I,
-        [_PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _I64S, _I, _I, _I, _I, _I, _VP, _D, _D, _D, _D, _D, _I, _I, _VP, _VP, _VP],
-    ),
-    "fz_cuda_l2norm_partials": (_I, [_PTRS, _I64S, _I, _I, _VP, _VP, _VP, _I64, _VP]),
-    "fz_cuda_clip_factor": (_I, [_VP, _I64, _D, _VP, _VP, _VP]),
-    "fz_cuda_lamb": (
-        _I,
-        [_PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _I64S, _I64S, _I, _I, _I, _I, _I, _VP, _D, _D, _D, _D, _I, _D, _I, _D,
-         _D, _VP, _VP, _VP, _VP, _I64, _VP, _VP, _VP],
-    ),
-    "fz_cuda_onebit_pack": (_I, [_VP, _I, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP]),
-    "fz_cuda_onebit_unpack": (_I, [_VP, _VP, _VP, _I64, _I64, _I, _VP]),
-}  # fmt: skip
-
-
-# ---------------------------------------------------------------------------
-# Loading the library
-
-
-def _prebuilt_library() -> Path | None:
-    explicit = os.environ.get("FASTZERO_CUDA_LIB")
-    if explicit:
-        return Path(explicit)
-    beside = Path(__file__).resolve().parent.parent / cuda_build.LIBRARY  # an install-time build
-    return beside if beside.is_file() else None
-
-
-def _jit_archs() -> tuple[str, ...]:
-    """The architectures to build: $FASTZERO_CUDA_ARCHS ("80;90;100"), else
-    sm_80 and sm_90 (whose code also runs on sm_86/sm_89) plus that of any
-    other visible GPU."""
-    forced = os.environ.get("FASTZERO_CUDA_ARCHS", "").replace(",", ";")
-    if forced.strip():
-        return tuple(a.strip().removeprefix("sm_") for a in forced.split(";") if a.strip())
-    archs = list(cuda_build.ARCHS)
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            major, minor = torch.cuda.get_device_capability(i)
-            if major not in (8, 9):
-                archs.append(f"{major}{minor}")
-    return tuple(dict.fromkeys(archs))
-
-
-def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declares the C ABI's signatures on a loaded library (ctypes then
-    converts and checks every argument)."""
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
-@functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """The loaded library, or None and why not. Builds it if needed (once)."""
-    path = _prebuilt_library()
-    if path is None:
-        if os.environ.get("FASTZERO_JIT", "1") == "0":
-            return None, "no prebuilt CUDA library, and FASTZERO_JIT=0 forbids building it"
-        try:
-            path = cuda_build.jit_build(_jit_archs())
-        except cuda_build.BuildError as exc:
-            return None, f"the just-in-time build of the CUDA kernels failed: {exc}"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return None, f"cannot load {path}: {exc}"
-    try:
-        bind(lib)
-    except AttributeError as exc:
-        return None, f"{path} is not fastzero's CUDA library ({exc}); rebuild it"
-    if lib.fz_cuda_abi_version() != ABI_VERSION:
-        return None, (
-            f"{path} speaks C ABI version {lib.fz_cuda_abi_version()}, this fastzero needs {ABI_VERSION}; "
-            "rebuild it (or unset FASTZERO_CUDA_LIB)"
-        )
-    return lib, ""
-
-
-def _no_device_reason() -> str | None:
-    if torch.version.cuda is None:
-        return f"this torch build ({torch.__version__}) has no CUDA support"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible (torch.cuda.is_available() is False)"
-    return None
-
-
-def available() -> tuple[bool, str]:
-    """(True, "") when the CUDA kernels can run on the current device, else
-    (False, why): no CUDA device, no nvcc, a failed build or load, or a
-    driver or GPU the library cannot run on. Builds the library on first
-    call if needed (under a minute), never raises."""
-    why = _no_device_reason()
-    if why is not None:
-        return False, why
-    lib, why = _load()
-    if lib is None:
-        return False, why
-    return _device_check(torch.cuda.current_device())
-
-
-@functools.cache
-def _device_check(index: int) -> tuple[bool, str]:
-    lib = _load()[0]
-    with torch.cuda.device(index):
-        if lib.fz_cuda_check_device() != 0:
-            return False, lib.fz_cuda_last_error().decode(errors="replace")
-    return True, ""
-
-
-def _lib(op: str) -> ctypes.CDLL:
-    lib, why = _load()
-    if lib is None:
-        raise RuntimeError(f"fastzero.ops.cuda.{op}: the CUDA kernels are unavailable: {why}")
-    return lib
-
-
-def _check_rc(lib: ctypes.CDLL, rc: int, op: str) -> None:
-    if rc != 0:
-        message = (lib.fz_cuda_last_error() or b"").decode(errors="replace")
-        raise RuntimeError(f"fastzero.ops.cuda.{op}: the CUDA kernel call failed (code {rc}): {message}")
-
 
 # ---------------------------------------------------------------------------
 # Checks: everything the kernels assume, before any pointer crosses.
@@ -280,7 +141,7 @@ def adam_step(
     check_adam_hyperparams(lr, (beta1, beta2), eps, weight_decay)
     if device is None:
         return  # no tensors
-    lib = _lib(op)
+    lib = cuda_lib(op)
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         for key, idx in _groups(params, grads, exp_avgs, param_copies).items():
@@ -291,7 +152,7 @@ def adam_step(
                 step.data_ptr(), lr, beta1, beta2, eps, weight_decay, int(bias_correction), int(adamw_mode),
                 _ptr(grad_scale), _ptr(found_inf), stream,
             )  # fmt: skip
-            _check_rc(lib, rc, op)
+            check_rc(lib, rc, op)
 
 
 def lamb_step(
@@ -345,7 +206,7 @@ def lamb_step(
         )
     if coeffs_out.device != device or not coeffs_out.is_contiguous():
         raise ValueError(f"coeffs_out must be contiguous and on the params' device ({device}), got {coeffs_out.device}")
-    lib = _lib(op)
+    lib = cuda_lib(op)
     chunk = lib.fz_cuda_chunk_elems()
     inf_ptr = _ptr(found_inf)
     with torch.cuda.device(device):
@@ -366,11 +227,11 @@ def lamb_step(
                     _ptrs(grads, idx), _numels(grads, idx), len(idx), DTYPE_CODES[dt], _ptr(grad_scale), inf_ptr,
                     partials.data_ptr() + 8 * offset, counts[dt], stream,
                 )  # fmt: skip
-                _check_rc(lib, rc, op)
+                check_rc(lib, rc, op)
                 offset += counts[dt]
             clip = torch.empty((), dtype=torch.float32, device=device)
             rc = lib.fz_cuda_clip_factor(partials.data_ptr(), total, max_grad_norm, inf_ptr, clip.data_ptr(), stream)
-            _check_rc(lib, rc, op)
+            check_rc(lib, rc, op)
         for key, idx in _groups(params, grads, exp_avgs, param_copies).items():
             chunks = sum(_num_chunks(params[i].numel(), chunk) for i in idx)
             partials = torch.empty(max(2 * chunks, 1), dtype=torch.float64, device=device)
@@ -383,7 +244,7 @@ def lamb_step(
                 max_coeff, min_coeff, _ptr(grad_scale), _ptr(clip), inf_ptr,
                 partials.data_ptr(), 2 * chunks, ratio.data_ptr(), coeffs_out.data_ptr(), stream,
             )  # fmt: skip
-            _check_rc(lib, rc, op)
+            check_rc(lib, rc, op)
 
 
 def onebit_pack(x: Tensor, error: Tensor, bits: Tensor, scales: Tensor, chunks: int) -> None:
@@ -413,7 +274,7 @@ def onebit_pack(x: Tensor, error: Tensor, bits: Tensor, scales: Tensor, chunks: 
     for name, t, want in (("error", error, numel), ("bits", bits, numel // 8), ("scales", scales, chunks)):
         if t.numel() != want:
             raise ValueError(f"{op}: {name} has {t.numel()} elements, {want} needed (x has {numel} in {chunks} chunks)")
-    lib = _lib(op)
+    lib = cuda_lib(op)
     tiles = _num_chunks(numel // chunks, lib.fz_cuda_chunk_elems())
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
@@ -423,7 +284,7 @@ def onebit_pack(x: Tensor, error: Tensor, bits: Tensor, scales: Tensor, chunks: 
             x.data_ptr(), DTYPE_CODES[x.dtype], error.data_ptr(), bits.data_ptr(), scales.data_ptr(), numel, chunks,
             partials.data_ptr(), chunks * tiles, stream,
         )  # fmt: skip
-        _check_rc(lib, rc, op)
+        check_rc(lib, rc, op)
 
 
 def onebit_unpack(bits: Tensor, scales: Tensor, out: Tensor, average: bool) -> None:
@@ -447,10 +308,10 @@ def onebit_unpack(bits: Tensor, scales: Tensor, out: Tensor, average: bool) -> N
     if out.numel() != want:
         raise ValueError(f"{op}: out has {out.numel()} elements, {want} needed ({rows} rows of {row_bytes} bytes"
                          f"{', averaged' if average else ''})")  # fmt: skip
-    lib = _lib(op)
+    lib = cuda_lib(op)
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         rc = lib.fz_cuda_onebit_unpack(
             bits.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, row_bytes, int(bool(average)), stream
         )
-        _check_rc(lib, rc, op)
+        check_rc(lib, rc, op)

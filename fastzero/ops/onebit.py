@@ -16,7 +16,7 @@ import importlib
 import torch
 from torch import Tensor
 
-from fastzero.ops import native
+from fastzero import native
 from fastzero.ops.backend import device_backend
 from fastzero.ops.reference import onebit as ref
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastzero import native
 from fastzero.checks import check_same_size, check_tensor
-from fastzero.ops import native
 
 _DTYPES = frozenset(native.DTYPE_CODES)
 
