@@ -13,29 +13,6 @@ from torch import Tensor
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_adam_hyperparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if isinstance(lr, Tensor):
-        raise TypeError("lr must be a Python float, not a tensor")
-    if not math.isfinite(lr) or lr < 0.0:
-        raise ValueError(f"invalid learning rate {lr}: it must be a finite number >= 0")
-    if len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"invalid beta{i + 1} {beta}: it must be in [0, 1)")
-    if not math.isfinite(eps) or eps < 0.0:
-        raise ValueError(f"invalid eps {eps}: it must be a finite number >= 0")
-    if not math.isfinite(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"invalid weight_decay {weight_decay}: it must be a finite number >= 0")
-
-
-def check_lamb_hyperparams(max_grad_norm: float, max_coeff: float, min_coeff: float) -> None:
-    if not math.isfinite(max_grad_norm) or max_grad_norm < 0.0:
-        raise ValueError(f"invalid max_grad_norm {max_grad_norm}: it must be >= 0 (0 disables clipping)")
-    if not 0.0 <= min_coeff <= max_coeff or not math.isfinite(max_coeff):
-        raise ValueError(f"invalid trust ratio bounds: need 0 <= min_coeff ({min_coeff}) <= max_coeff ({max_coeff})")
-
-
 def check_grad_scale(grad_scale: float | None) -> None:
     if grad_scale is not None and (not math.isfinite(grad_scale) or grad_scale <= 0.0):
         raise ValueError(f"invalid grad_scale {grad_scale}: it must be a finite number > 0 (or None)")

@@ -2,7 +2,7 @@
 
 import torch
 
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.tolerances import assert_close
 
 
 def make_model(dtype=torch.float32):

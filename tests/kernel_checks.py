@@ -2,7 +2,7 @@
 
 import torch
 
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.tolerances import assert_close
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SIZES = [1, 7, 15, 16, 17, 1023, 100003]  # every SIMD tail of 8 and 16 lanes

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-import fastzero.ops.sparse_attention as sa
+import fastzero.ops.sparse_attention.attention as sa
 from bench import compare, run
 from bench.harness import Unavailable
 from bench.kernels import sparse_attention as bsa

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fastzero.ops import cpu_adam_step, reference
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.tolerances import assert_close
 from tests.kernel_checks import BF16, COMBOS, F16, F32, SIZES, check_all, clone_all, make_tensors, run_both
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastzero.ops import CPUAdam
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.tolerances import assert_close
 from tests.helpers import assert_models_close, make_model, train
 
 

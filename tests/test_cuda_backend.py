@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from fastzero.native import abi, build, loader
-from fastzero.ops import cuda as fz_cuda
 from fastzero.ops import reference
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.adam import cuda as adam_cuda
+from fastzero.ops.lamb import cuda as lamb_cuda
+from fastzero.ops.tolerances import assert_close
 from tests.kernel_checks import check_all, clone_all
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -278,29 +279,29 @@ def test_import_and_available_never_crash():
 def test_cpu_tensors_are_refused_with_a_pointer_to_the_cpu_path():
     step = torch.tensor(1.0)
     with pytest.raises(ValueError, match=r"params\[0\] is on cpu.*CPUAdam"):
-        fz_cuda.adam_step(*_cpu_lists(), step=step, **ADAM_HYPER)
+        adam_cuda.adam_step(*_cpu_lists(), step=step, **ADAM_HYPER)
     with pytest.raises(ValueError, match=r"params\[0\] is on cpu.*FusedLamb"):
-        fz_cuda.lamb_step(*_cpu_lists(), step=step, coeffs_out=torch.ones(1), **LAMB_HYPER)
+        lamb_cuda.lamb_step(*_cpu_lists(), step=step, coeffs_out=torch.ones(1), **LAMB_HYPER)
 
 
 def test_step_must_be_a_device_tensor():
     with pytest.raises(TypeError, match="step must be a 0-d float32 tensor"):
-        fz_cuda.adam_step(*_cpu_lists(), step=1, **ADAM_HYPER)
+        adam_cuda.adam_step(*_cpu_lists(), step=1, **ADAM_HYPER)
     with pytest.raises(TypeError, match="step must be one float32 value"):
-        fz_cuda.adam_step(*_cpu_lists(), step=torch.tensor([1, 2]), **ADAM_HYPER)
+        adam_cuda.adam_step(*_cpu_lists(), step=torch.tensor([1, 2]), **ADAM_HYPER)
     with pytest.raises(TypeError, match="found_inf must be one float32 value"):
-        fz_cuda.adam_step(*_cpu_lists(), step=torch.tensor(1.0), found_inf=torch.tensor(True), **ADAM_HYPER)
+        adam_cuda.adam_step(*_cpu_lists(), step=torch.tensor(1.0), found_inf=torch.tensor(True), **ADAM_HYPER)
 
 
 def test_list_lengths_are_checked():
     p, g, m, v = _cpu_lists()
     with pytest.raises(ValueError, match="1 params but 2 grads"):
-        fz_cuda.adam_step(p, g * 2, m, v, step=torch.tensor(1.0), **ADAM_HYPER)
+        adam_cuda.adam_step(p, g * 2, m, v, step=torch.tensor(1.0), **ADAM_HYPER)
 
 
 def test_empty_lists_need_no_library():
-    fz_cuda.adam_step([], [], [], [], step=torch.tensor(1.0), **ADAM_HYPER)
-    fz_cuda.lamb_step([], [], [], [], step=torch.tensor(1.0), coeffs_out=torch.empty(0), **LAMB_HYPER)
+    adam_cuda.adam_step([], [], [], [], step=torch.tensor(1.0), **ADAM_HYPER)
+    lamb_cuda.lamb_step([], [], [], [], step=torch.tensor(1.0), coeffs_out=torch.empty(0), **LAMB_HYPER)
 
 
 def test_unavailable_kernels_raise_with_the_cause(monkeypatch):
@@ -402,11 +403,11 @@ def run(kind, sizes, combos, *, steps=20, grad_scale=None, unaligned=False, **hy
         t = torch.tensor(float(step), device="cuda")
         s = None if grad_scale is None else torch.tensor(grad_scale, device="cuda")
         if kind == "adam":
-            fz_cuda.adam_step(*kernel[:4], step=t, grad_scale=s, param_copies=kernel[4], **hyper)
+            adam_cuda.adam_step(*kernel[:4], step=t, grad_scale=s, param_copies=kernel[4], **hyper)
             for lists in (ref, ideal):
                 reference.adam_step(*lists[:4], step=step, grad_scale=grad_scale, param_copies=lists[4], **hyper)
         else:
-            fz_cuda.lamb_step(*kernel[:4], step=t, grad_scale=s, param_copies=kernel[4], coeffs_out=coeffs, **hyper)
+            lamb_cuda.lamb_step(*kernel[:4], step=t, grad_scale=s, param_copies=kernel[4], coeffs_out=coeffs, **hyper)
             ratios = reference.lamb_step(*ref[:4], step=step, grad_scale=grad_scale, param_copies=ref[4], **hyper)
             reference.lamb_step(*ideal[:4], step=step, grad_scale=grad_scale, param_copies=ideal[4], **hyper)
     torch.cuda.synchronize()
@@ -481,7 +482,7 @@ def test_lamb_trust_ratio_bounds_and_zero_norms():
     ref = [[x.clone() for x in lst] for lst in (p, g, m, v)]
     hyper = dict(LAMB_HYPER, weight_decay=0.0, max_coeff=0.25, min_coeff=0.1)  # tensor 2's ratio is about 0.32
     coeffs = torch.zeros(3, device="cuda")
-    fz_cuda.lamb_step(p, g, m, v, step=torch.tensor(1.0, device="cuda"), coeffs_out=coeffs, **hyper)
+    lamb_cuda.lamb_step(p, g, m, v, step=torch.tensor(1.0, device="cuda"), coeffs_out=coeffs, **hyper)
     ratios = reference.lamb_step(*ref, step=1, **hyper)
     assert ratios[0] == 1.0 and ratios[1] == 1.0
     check_ratios(coeffs, ratios, [F32] * 3)
@@ -536,10 +537,10 @@ def test_found_inf_changes_nothing(kind, flag):
     coeffs = torch.full((3,), -7.0, device="cuda")
     step, found = torch.tensor(3.0, device="cuda"), torch.tensor(flag, device="cuda")
     if kind == "adam":
-        fz_cuda.adam_step(*tensors[:4], step=step, found_inf=found, param_copies=tensors[4], **ADAM_HYPER)
+        adam_cuda.adam_step(*tensors[:4], step=step, found_inf=found, param_copies=tensors[4], **ADAM_HYPER)
     else:
         hyper = dict(LAMB_HYPER, max_grad_norm=1.0)
-        fz_cuda.lamb_step(
+        lamb_cuda.lamb_step(
             *tensors[:4],
             step=step,
             found_inf=found,
@@ -555,10 +556,10 @@ def test_found_inf_changes_nothing(kind, flag):
     found.zero_()
     kernel, ref = clone_all(before), clone_all(before)
     if kind == "adam":
-        fz_cuda.adam_step(*kernel[:4], step=step, found_inf=found, param_copies=kernel[4], **ADAM_HYPER)
+        adam_cuda.adam_step(*kernel[:4], step=step, found_inf=found, param_copies=kernel[4], **ADAM_HYPER)
         reference.adam_step(*ref[:4], step=3, param_copies=ref[4], **ADAM_HYPER)
     else:
-        fz_cuda.lamb_step(
+        lamb_cuda.lamb_step(
             *kernel[:4], step=step, found_inf=found, param_copies=kernel[4], coeffs_out=coeffs, **LAMB_HYPER
         )
         reference.lamb_step(*ref[:4], step=3, param_copies=ref[4], **LAMB_HYPER)
@@ -591,7 +592,7 @@ def test_low_precision_params_round_trip_exactly(p_dtype):
     before = p.clone()
     g = torch.randn(p.shape, device="cuda")
     z = [torch.zeros(p.shape, device="cuda") for _ in range(2)]
-    fz_cuda.adam_step([p], [g], z[:1], z[1:], step=torch.tensor(1.0, device="cuda"), **dict(ADAM_HYPER, lr=0.0))
+    adam_cuda.adam_step([p], [g], z[:1], z[1:], step=torch.tensor(1.0, device="cuda"), **dict(ADAM_HYPER, lr=0.0))
     assert torch.equal(p, before)
 
 
@@ -605,7 +606,7 @@ def test_results_are_deterministic():
     for _ in range(2):
         t = clone_all(base)
         coeffs = torch.empty(3, device="cuda")
-        fz_cuda.lamb_step(
+        lamb_cuda.lamb_step(
             *t[:4], step=torch.tensor(1.0, device="cuda"), coeffs_out=coeffs, **dict(LAMB_HYPER, max_grad_norm=1.0)
         )
         outs.append((t, coeffs))
@@ -619,15 +620,15 @@ def test_results_are_deterministic():
 def test_device_checks_on_a_gpu():
     p, g, m, v = ([x.cuda()] for x in (torch.randn(5), torch.randn(5), torch.zeros(5), torch.zeros(5)))
     with pytest.raises(ValueError, match="step is on cpu"):
-        fz_cuda.adam_step(p, g, m, v, step=torch.tensor(1.0), **ADAM_HYPER)
+        adam_cuda.adam_step(p, g, m, v, step=torch.tensor(1.0), **ADAM_HYPER)
     with pytest.raises(ValueError, match=r"grads\[0\] is on cpu"):
-        fz_cuda.adam_step(p, [g[0].cpu()], m, v, step=torch.tensor(1.0, device="cuda"), **ADAM_HYPER)
+        adam_cuda.adam_step(p, [g[0].cpu()], m, v, step=torch.tensor(1.0, device="cuda"), **ADAM_HYPER)
     with pytest.raises(ValueError, match="not contiguous"):
         w = torch.randn(5, 2, device="cuda").t()
-        fz_cuda.adam_step(
+        adam_cuda.adam_step(
             [w], [w.clone()], [w.clone()], [w.clone()], step=torch.tensor(1.0, device="cuda"), **ADAM_HYPER
         )
     with pytest.raises(ValueError, match="coeffs_out must be float32 with one element per param"):
-        fz_cuda.lamb_step(
+        lamb_cuda.lamb_step(
             p, g, m, v, step=torch.tensor(1.0, device="cuda"), coeffs_out=torch.ones(2, device="cuda"), **LAMB_HYPER
         )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastzero.ops import CPUAdam, FusedAdam, FusedLamb, reference
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.tolerances import assert_close
 from tests.helpers import assert_models_close, make_model, train
 
 LAMB = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)

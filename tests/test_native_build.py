@@ -23,12 +23,16 @@ def test_native_code_includes_no_pytorch_header():
 
 
 def test_report_lists_every_backend():
-    rows = backends()
-    assert {(r.op, r.backend) for r in rows} >= {("CPUAdam", "cpu"), ("CPUAdam", "reference")}
+    rows = {(r.op, r.backend, r.device) for r in backends()}
+    for family in backend.families().values():
+        for b in family.backends.values():
+            for device in b.devices:
+                assert (family.op, b.name, device) in rows
+    assert ("Adam (FusedAdam, CPUAdam)", "cpu", "cpu") in rows
     text = report()
     assert "CPUAdam" in text and "reference" in text
     out = subprocess.run([sys.executable, "-m", "fastzero.ops"], capture_output=True, text=True, check=True)
-    assert "CPUAdam" in out.stdout
+    assert "CPUAdam" in out.stdout and "SparseAttention" in out.stdout
 
 
 def test_fallback_to_reference_warns_once_and_names_the_cause(monkeypatch):

@@ -1,5 +1,5 @@
 """The CUDA backend of 1-bit compression (csrc/cuda/onebit.cu,
-fastzero.ops.cuda.onebit_pack and onebit_unpack).
+fastzero.ops.onebit.cuda.onebit_pack and onebit_unpack).
 
 Without a GPU: onebit.cu compiles for sm_80 and sm_90 with warnings as errors
 (tests/test_cuda_backend.py compiles every source of build.CUDA_SOURCES and
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from fastzero.native import abi, build
-from fastzero.ops import cuda as fz_cuda
 from fastzero.ops import onebit
+from fastzero.ops.onebit import cuda as fz_cuda
 from fastzero.ops.reference import onebit as ref
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.tolerances import assert_close
 from tests.test_cuda_backend import _driver_present, _nvcc_or_skip
 
 F32, BF16, F16, U8 = torch.float32, torch.bfloat16, torch.float16, torch.uint8

@@ -5,9 +5,10 @@ mask in fp64, forward and gradients; the module's padding, masks and errors."""
 import pytest
 import torch
 
-import fastzero.ops.sparse_attention as sa
-import fastzero.ops.sparsity_config as sz
-from fastzero.ops.sparse_attention import SparseAttention, block_sparse_attention, dense_attention, expand_layout
+import fastzero.ops.sparse_attention.attention as sa
+import fastzero.ops.sparse_attention.sparsity_config as sz
+from fastzero.ops.sparse_attention import SparseAttention, block_sparse_attention
+from fastzero.ops.sparse_attention.reference import dense_attention, expand_layout
 
 # the Triton path runs on the GPU where there is one, else in the interpreter on CPU tensors
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

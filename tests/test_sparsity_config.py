@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fastzero.ops.sparsity_config import (
+from fastzero.ops.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
     DenseSparsityConfig,

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
 from fastzero.ops import reference  # noqa: E402
-from fastzero.ops.reference.tolerances import assert_close  # noqa: E402
+from fastzero.ops.tolerances import assert_close  # noqa: E402
 from fastzero.triton_kernels import _multi_tensor, adam, lamb  # noqa: E402
 from tests import kernel_checks  # noqa: E402
 from tests.kernel_checks import BF16, COMBOS, F16, F32, clone_all  # noqa: E402  (shared by every backend)

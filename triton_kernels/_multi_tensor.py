@@ -218,5 +218,14 @@ def check_inputs(
     """fastzero.checks.check_device_step, on CUDA tensors (CPU tensors
     too under the interpreter)."""
     hint = " (CPU tensors only under the interpreter, TRITON_INTERPRET=1 set before importing triton)"
-    check_device_step("the Triton kernels", params, grads, exp_avgs, exp_avg_sqs, param_copies, scalars,
-                      device_types=("cuda", "cpu") if INTERPRET else ("cuda",), hint=hint)  # fmt: skip
+    check_device_step(
+        "the Triton kernels",
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        param_copies,
+        scalars,
+        device_types=("cuda", "cpu") if INTERPRET else ("cuda",),
+        hint=hint,
+    )

@@ -12,10 +12,12 @@ launch per dtype combination (see ``_multi_tensor`` for the work list).
 
 Math in fp32 whatever the storage dtypes (fp32/bf16/fp16 params and grads,
 fp32 or param-dtype states, optional bf16/fp16 copies of fp32 params written in
-the same pass). The source of truth is ``fastzero.ops.reference.adam_step``.
+the same pass). The source of truth is ``fastzero.ops.adam.reference.adam_step``.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -36,8 +38,22 @@ from ._multi_tensor import (
 
 
 @triton.jit
-def _adam_math(p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-               step_size, sqrt_bc2, ADAMW: tl.constexpr):  # fmt: skip
+def _adam_math(
+    p,
+    g,
+    m,
+    v,
+    decay,
+    weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,
+    sqrt_bc2,
+    ADAMW: tl.constexpr,
+):
     """The update, in fp32, in the reference's order of operations."""
     if ADAMW:
         p = p * decay
@@ -52,9 +68,27 @@ def _adam_math(p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, o
 
 
 @triton.jit
-def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, mask, grad_scale, decay, weight_decay, beta1,
-                one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, HAS_GRAD_SCALE: tl.constexpr,
-                ADAMW: tl.constexpr):  # fmt: skip
+def _adam_block(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    c_ptr,
+    offs,
+    mask,
+    grad_scale,
+    decay,
+    weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,
+    sqrt_bc2,
+    HAS_GRAD_SCALE: tl.constexpr,
+    ADAMW: tl.constexpr,
+):
     """Load, update and store one block (``mask`` None: a full block, unmasked so that it vectorizes)."""
     p = _to_fp32(tl.load(p_ptr + offs, mask=mask))
     g = _to_fp32(tl.load(g_ptr + offs, mask=mask))
@@ -62,8 +96,9 @@ def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, mask, grad_scale, decay
     v = _to_fp32(tl.load(v_ptr + offs, mask=mask))
     if HAS_GRAD_SCALE:
         g = tl.div_rn(g, grad_scale)
-    p, m, v = _adam_math(p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                         step_size, sqrt_bc2, ADAMW)  # fmt: skip
+    p, m, v = _adam_math(
+        p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, ADAMW
+    )
     tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, _to_storage(m, m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, _to_storage(v, v_ptr.dtype.element_ty), mask=mask)
@@ -73,13 +108,37 @@ def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, mask, grad_scale, decay
 
 @triton.jit
 def _adam_kernel(
-    addrs_ptr, numels_ptr, item_tensor_ptr, item_start_ptr, n_tensors,
-    step_ptr, grad_scale_ptr, found_inf_ptr,
-    lr, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps,
-    P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
-    C_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-    ADAMW: tl.constexpr, BIAS_CORRECTION: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
-):  # fmt: skip
+    addrs_ptr,
+    numels_ptr,
+    item_tensor_ptr,
+    item_start_ptr,
+    n_tensors,
+    step_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    lr,
+    decay,
+    weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    log_beta1,
+    log_beta2,
+    eps,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    M_DTYPE: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    C_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ADAMW: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCKS_PER_ITEM: tl.constexpr,
+):
     """One program per work item (``item_*_ptr`` start at this launch's first item)."""
     item = tl.program_id(0)
     found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
@@ -101,18 +160,77 @@ def _adam_kernel(
         # mask on it would keep loads scalar), then at most one masked tail.
         for b in range(0, n_full):
             offs = start + b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, None, grad_scale, decay, weight_decay, beta1,
-                        one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, HAS_GRAD_SCALE,
-                        ADAMW)  # fmt: skip
+            _adam_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                offs,
+                None,
+                grad_scale,
+                decay,
+                weight_decay,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                step_size,
+                sqrt_bc2,
+                HAS_GRAD_SCALE,
+                ADAMW,
+            )
         tail = start + n_full * BLOCK_SIZE
         if tail < end:
             offs = tail + tl.arange(0, BLOCK_SIZE)
-            _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, offs < end, grad_scale, decay, weight_decay,
-                        beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, HAS_GRAD_SCALE,
-                        ADAMW)  # fmt: skip
+            _adam_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                offs,
+                offs < end,
+                grad_scale,
+                decay,
+                weight_decay,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                step_size,
+                sqrt_bc2,
+                HAS_GRAD_SCALE,
+                ADAMW,
+            )
 
 
-def _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale, found_inf, scalars, flags):
+def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, found_inf=None, param_copies=None):
+    """:func:`adam_step` on lists that were checked."""
+    if not params:
+        return
+    # Host scalars in fp64, rounded once to fp32 as the reference's torch ops round them.
+    scalars = (
+        hp.lr,
+        1.0 - hp.lr * hp.weight_decay,
+        hp.weight_decay,
+        hp.beta1,
+        1.0 - hp.beta1,
+        hp.beta2,
+        1.0 - hp.beta2,
+        log_beta(hp.beta1),
+        log_beta(hp.beta2),
+        hp.eps,
+    )
+    scalars = tuple(float(x) for x in scalars)  # a Python int would make Triton specialize the kernel
+    flags = dict(
+        HAS_GRAD_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None,
+        ADAMW=bool(hp.adamw_mode),
+        BIAS_CORRECTION=bool(hp.bias_correction),
+    )
     block, per_item, num_warps = launch_config()
     wl = work_list([params, grads, exp_avgs, exp_avg_sqs, param_copies], block * per_item)
     for grp in wl.groups:
@@ -120,11 +238,26 @@ def _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale
             continue  # only empty tensors
         p_dt, g_dt, m_dt, v_dt, c_dt = grp.dtypes
         _adam_kernel[(grp.end - grp.begin,)](
-            wl.addrs, wl.numels, wl.item_tensor[grp.begin :], wl.item_start[grp.begin :], wl.n_tensors,
-            step, grad_scale, found_inf, *scalars,
-            P_DTYPE=p_dt, G_DTYPE=g_dt, M_DTYPE=m_dt, V_DTYPE=v_dt, C_DTYPE=c_dt, ALIGNED=grp.aligned, **flags,
-            BLOCK_SIZE=block, BLOCKS_PER_ITEM=per_item, num_warps=num_warps,
-        )  # fmt: skip
+            wl.addrs,
+            wl.numels,
+            wl.item_tensor[grp.begin :],
+            wl.item_start[grp.begin :],
+            wl.n_tensors,
+            step,
+            grad_scale,
+            found_inf,
+            *scalars,
+            P_DTYPE=p_dt,
+            G_DTYPE=g_dt,
+            M_DTYPE=m_dt,
+            V_DTYPE=v_dt,
+            C_DTYPE=c_dt,
+            ALIGNED=grp.aligned,
+            **flags,
+            BLOCK_SIZE=block,
+            BLOCKS_PER_ITEM=per_item,
+            num_warps=num_warps,
+        )
 
 
 @torch.no_grad()
@@ -135,32 +268,37 @@ def adam_step(
     exp_avg_sqs: list[Tensor],
     *,
     step: Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    adamw_mode: bool,
+    hp=None,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     param_copies: list[Tensor] | None = None,
+    **hyper,
 ) -> None:
     """One Adam/AdamW step on every tensor of the lists, in place (formula in the
-    module docstring).
+    module docstring); ``hp``: the hyperparameters (fastzero.ops.AdamHyperparams),
+    or all of their fields as keywords.
 
     ``step`` is a 0-d float32 device tensor holding t >= 1; ``grad_scale`` (0-d
     float32) divides the grads; where ``found_inf`` (0-d float32) is nonzero nothing
     changes. All three are read on the device: no host sync.
     """
-    check_inputs(params, grads, exp_avgs, exp_avg_sqs, param_copies,
-                 {"step": step, "grad_scale": grad_scale, "found_inf": found_inf})  # fmt: skip
-    if not params:
-        return
-    # Host scalars in fp64, rounded once to fp32 as the reference's torch ops round them.
-    scalars = (lr, 1.0 - lr * weight_decay, weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
-               log_beta(beta1), log_beta(beta2), eps)  # fmt: skip
-    scalars = tuple(float(x) for x in scalars)  # a Python int would make Triton specialize the kernel
-    flags = dict(HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-                 ADAMW=bool(adamw_mode), BIAS_CORRECTION=bool(bias_correction))  # fmt: skip
-    _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale, found_inf, scalars, flags)
+    hp = hp if hp is not None else SimpleNamespace(**hyper)  # every field, when no hp is given
+    check_inputs(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        param_copies,
+        {"step": step, "grad_scale": grad_scale, "found_inf": found_inf},
+    )
+    launch(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        step=step,
+        hp=hp,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        param_copies=param_copies,
+    )

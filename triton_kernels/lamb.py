@@ -24,12 +24,12 @@ The launches, all asynchronous (no host sync):
      recomputed from g here, and only now stored: u from m, v rounded to 16 bits is not
      the reference's u, and with r * lr large the difference compounds. That costs one
      more read of g, only for those states.
-The source of truth is ``fastzero.ops.reference.lamb_step``.
+The source of truth is ``fastzero.ops.lamb.reference.lamb_step``.
 """
 
 from __future__ import annotations
 
-import math
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -75,9 +75,22 @@ def _unscaled_grad(g_ptr, offs, mask, grad_scale, HAS_GRAD_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _moments_block(g_ptr, m_ptr, v_ptr, offs, mask, grad_scale, clip, beta1, one_minus_beta1, beta2,
-                   one_minus_beta2, HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                   STORE: tl.constexpr):  # fmt: skip
+def _moments_block(
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    offs,
+    mask,
+    grad_scale,
+    clip,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    STORE: tl.constexpr,
+):
     """The new m and v of one block, in fp32 (stored too with ``STORE``)."""
     g = _unscaled_grad(g_ptr, offs, mask, grad_scale, HAS_GRAD_SCALE)
     if HAS_CLIP:
@@ -93,10 +106,19 @@ def _moments_block(g_ptr, m_ptr, v_ptr, offs, mask, grad_scale, clip, beta1, one
 
 @triton.jit
 def _grad_sq_kernel(
-    addrs_ptr, numels_ptr, item_tensor_ptr, item_start_ptr, n_tensors, grad_scale_ptr, out_ptr,
-    G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
-):  # fmt: skip
+    addrs_ptr,
+    numels_ptr,
+    item_tensor_ptr,
+    item_start_ptr,
+    n_tensors,
+    grad_scale_ptr,
+    out_ptr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCKS_PER_ITEM: tl.constexpr,
+):
     """Phase 0: out[item] = sum over the item of (g / s0)^2."""
     item = tl.program_id(0)
     t, start, end, n_full = _item(item_tensor_ptr, item_start_ptr, numels_ptr, item, BLOCK_SIZE, BLOCKS_PER_ITEM)
@@ -126,13 +148,44 @@ def _clip_kernel(g_sq_ptr, n_items, clip_ptr, max_grad_norm, BLOCK_SIZE: tl.cons
 
 
 @triton.jit
-def _phase1_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, grad_scale, clip, beta1, one_minus_beta1, beta2,
-                  one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                  FP32_STATES: tl.constexpr, EPS_INSIDE_SQRT: tl.constexpr):  # fmt: skip
+def _phase1_block(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    offs,
+    mask,
+    grad_scale,
+    clip,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    FP32_STATES: tl.constexpr,
+    EPS_INSIDE_SQRT: tl.constexpr,
+):
     """p^2 and u^2 of one block (0 where masked off); m and v stored if fp32."""
     p = _to_fp32(tl.load(p_ptr + offs, mask=mask))
-    m, v = _moments_block(g_ptr, m_ptr, v_ptr, offs, mask, grad_scale, clip, beta1, one_minus_beta1, beta2,
-                          one_minus_beta2, HAS_GRAD_SCALE, HAS_CLIP, FP32_STATES)  # fmt: skip
+    m, v = _moments_block(
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        offs,
+        mask,
+        grad_scale,
+        clip,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        HAS_GRAD_SCALE,
+        HAS_CLIP,
+        FP32_STATES,
+    )
     u = _lamb_direction(p, m, v, eps, weight_decay, EPS_INSIDE_SQRT)
     uu = u * u
     if mask is not None:
@@ -142,13 +195,34 @@ def _phase1_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, grad_scale, clip, beta
 
 @triton.jit
 def _phase1_kernel(
-    addrs_ptr, numels_ptr, item_tensor_ptr, item_start_ptr, n_tensors,
-    grad_scale_ptr, found_inf_ptr, clip_ptr, sq_ptr, n_items,
-    beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-    P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
-    ALIGNED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
-    EPS_INSIDE_SQRT: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
-):  # fmt: skip
+    addrs_ptr,
+    numels_ptr,
+    item_tensor_ptr,
+    item_start_ptr,
+    n_tensors,
+    grad_scale_ptr,
+    found_inf_ptr,
+    clip_ptr,
+    sq_ptr,
+    n_items,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    M_DTYPE: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    EPS_INSIDE_SQRT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCKS_PER_ITEM: tl.constexpr,
+):
     """Phase 1: sq[item] = sum p^2 and sq[n_items + item] = sum u^2 over the item
     (``item_*_ptr`` and ``sq_ptr`` start at this launch's first item)."""
     item = tl.program_id(0)
@@ -166,17 +240,51 @@ def _phase1_kernel(
         acc_u = tl.zeros([BLOCK_SIZE], tl.float32)
         for b in range(0, n_full):  # full blocks unmasked (they vectorize), then one masked tail
             offs = start + b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-            pp, uu = _phase1_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, grad_scale, clip, beta1, one_minus_beta1,
-                                   beta2, one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, HAS_CLIP, FP32_STATES,
-                                   EPS_INSIDE_SQRT)  # fmt: skip
+            pp, uu = _phase1_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                offs,
+                None,
+                grad_scale,
+                clip,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                weight_decay,
+                HAS_GRAD_SCALE,
+                HAS_CLIP,
+                FP32_STATES,
+                EPS_INSIDE_SQRT,
+            )
             acc_p += pp
             acc_u += uu
         tail = start + n_full * BLOCK_SIZE
         if tail < end:
             offs = tail + tl.arange(0, BLOCK_SIZE)
-            pp, uu = _phase1_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < end, grad_scale, clip, beta1,
-                                   one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE,
-                                   HAS_CLIP, FP32_STATES, EPS_INSIDE_SQRT)  # fmt: skip
+            pp, uu = _phase1_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                offs,
+                offs < end,
+                grad_scale,
+                clip,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                weight_decay,
+                HAS_GRAD_SCALE,
+                HAS_CLIP,
+                FP32_STATES,
+                EPS_INSIDE_SQRT,
+            )
             acc_p += pp
             acc_u += uu
         tl.store(sq_ptr + item, tl.sum(acc_p, axis=0))
@@ -184,8 +292,18 @@ def _phase1_kernel(
 
 
 @triton.jit
-def _ratio_kernel(sq_ptr, n_items, first_item_ptr, n_items_of_ptr, coeffs_ptr, found_inf_ptr, max_coeff, min_coeff,
-                  HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def _ratio_kernel(
+    sq_ptr,
+    n_items,
+    first_item_ptr,
+    n_items_of_ptr,
+    coeffs_ptr,
+    found_inf_ptr,
+    max_coeff,
+    min_coeff,
+    HAS_FOUND_INF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     """Phase 2, one program per tensor: coeffs[t] = r from its items' sums, in fp64."""
     t = tl.program_id(0)
     found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
@@ -207,16 +325,49 @@ def _ratio_kernel(sq_ptr, n_items, first_item_ptr, n_items_of_ptr, coeffs_ptr, f
 
 
 @triton.jit
-def _phase3_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, mask, grad_scale, clip, beta1, one_minus_beta1, beta2,
-                  one_minus_beta2, eps, weight_decay, alpha, HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                  FP32_STATES: tl.constexpr, EPS_INSIDE_SQRT: tl.constexpr):  # fmt: skip
+def _phase3_block(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    c_ptr,
+    offs,
+    mask,
+    grad_scale,
+    clip,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    alpha,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    FP32_STATES: tl.constexpr,
+    EPS_INSIDE_SQRT: tl.constexpr,
+):
     p = _to_fp32(tl.load(p_ptr + offs, mask=mask))
     if FP32_STATES:  # stored by phase 1
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
     else:
-        m, v = _moments_block(g_ptr, m_ptr, v_ptr, offs, mask, grad_scale, clip, beta1, one_minus_beta1, beta2,
-                              one_minus_beta2, HAS_GRAD_SCALE, HAS_CLIP, True)  # fmt: skip
+        m, v = _moments_block(
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            offs,
+            mask,
+            grad_scale,
+            clip,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            HAS_GRAD_SCALE,
+            HAS_CLIP,
+            True,
+        )
     p = p - alpha * _lamb_direction(p, m, v, eps, weight_decay, EPS_INSIDE_SQRT)
     tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
     if c_ptr is not None:
@@ -225,14 +376,39 @@ def _phase3_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, mask, grad_scale, cli
 
 @triton.jit
 def _phase3_kernel(
-    addrs_ptr, numels_ptr, item_tensor_ptr, item_start_ptr, n_tensors,
-    step_ptr, grad_scale_ptr, found_inf_ptr, clip_ptr, coeffs_ptr,
-    lr, beta1, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
-    P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
-    C_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-    HAS_CLIP: tl.constexpr, BIAS_CORRECTION: tl.constexpr, EPS_INSIDE_SQRT: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
-):  # fmt: skip
+    addrs_ptr,
+    numels_ptr,
+    item_tensor_ptr,
+    item_start_ptr,
+    n_tensors,
+    step_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    clip_ptr,
+    coeffs_ptr,
+    lr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    log_beta1,
+    log_beta2,
+    eps,
+    weight_decay,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    M_DTYPE: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    C_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    EPS_INSIDE_SQRT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCKS_PER_ITEM: tl.constexpr,
+):
     """Phase 3: p -= lr * sqrt(bc2) / bc1 * r * u."""
     item = tl.program_id(0)
     found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
@@ -253,21 +429,69 @@ def _phase3_kernel(
         alpha = (tl.cast(lr, tl.float64) * tl.sqrt(bc2) / bc1 * ratio).to(tl.float32)
         for b in range(0, n_full):
             offs = start + b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-            _phase3_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, None, grad_scale, clip, beta1, one_minus_beta1,
-                          beta2, one_minus_beta2, eps, weight_decay, alpha, HAS_GRAD_SCALE, HAS_CLIP, FP32_STATES,
-                          EPS_INSIDE_SQRT)  # fmt: skip
+            _phase3_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                offs,
+                None,
+                grad_scale,
+                clip,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                weight_decay,
+                alpha,
+                HAS_GRAD_SCALE,
+                HAS_CLIP,
+                FP32_STATES,
+                EPS_INSIDE_SQRT,
+            )
         tail = start + n_full * BLOCK_SIZE
         if tail < end:
             offs = tail + tl.arange(0, BLOCK_SIZE)
-            _phase3_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, offs < end, grad_scale, clip, beta1,
-                          one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, alpha, HAS_GRAD_SCALE, HAS_CLIP,
-                          FP32_STATES, EPS_INSIDE_SQRT)  # fmt: skip
+            _phase3_block(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                offs,
+                offs < end,
+                grad_scale,
+                clip,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                weight_decay,
+                alpha,
+                HAS_GRAD_SCALE,
+                HAS_CLIP,
+                FP32_STATES,
+                EPS_INSIDE_SQRT,
+            )
 
 
 _REDUCE_BLOCK = 1024  # partial sums per iteration of the one-program reductions
 
 
-def _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale, found_inf, coeffs_out, hp):
+def launch(
+    params, grads, exp_avgs, exp_avg_sqs, *, step, hp, coeffs_out, grad_scale=None, found_inf=None, param_copies=None
+):
+    """:func:`lamb_step` on lists that were checked."""
+    if not params:
+        return
+    floats = ("lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm", "max_coeff", "min_coeff")
+    hp = {k: float(getattr(hp, k)) for k in floats} | {  # a Python int would make Triton specialize the kernel
+        "eps_inside_sqrt": bool(hp.eps_inside_sqrt),
+        "bias_correction": bool(hp.bias_correction),
+    }
     block, per_item, num_warps = launch_config()
     wl = work_list([params, grads, exp_avgs, exp_avg_sqs, param_copies], block * per_item)
     device, n_items = params[0].device, wl.n_items
@@ -281,36 +505,96 @@ def _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale
         for grp in groups:
             b, e = grp.begin, grp.end
             _grad_sq_kernel[(e - b,)](
-                *table, wl.item_tensor[b:], wl.item_start[b:], wl.n_tensors, grad_scale, g_sq[b:],
-                G_DTYPE=grp.dtypes[1], ALIGNED=grp.aligned, HAS_GRAD_SCALE=grad_scale is not None, **meta,
-            )  # fmt: skip
+                *table,
+                wl.item_tensor[b:],
+                wl.item_start[b:],
+                wl.n_tensors,
+                grad_scale,
+                g_sq[b:],
+                G_DTYPE=grp.dtypes[1],
+                ALIGNED=grp.aligned,
+                HAS_GRAD_SCALE=grad_scale is not None,
+                **meta,
+            )
         _clip_kernel[(1,)](g_sq, n_items, clip, hp["max_grad_norm"], BLOCK_SIZE=_REDUCE_BLOCK)
     sq = torch.empty(2 * n_items, dtype=torch.float32, device=device)
     for grp in groups:
         b, e = grp.begin, grp.end
         p_dt, g_dt, m_dt, v_dt, _ = grp.dtypes
         _phase1_kernel[(e - b,)](
-            *table, wl.item_tensor[b:], wl.item_start[b:], wl.n_tensors, grad_scale, found_inf, clip, sq[b:],
-            n_items, hp["beta1"], 1.0 - hp["beta1"], hp["beta2"], 1.0 - hp["beta2"], hp["eps"], hp["weight_decay"],
-            P_DTYPE=p_dt, G_DTYPE=g_dt, M_DTYPE=m_dt, V_DTYPE=v_dt, ALIGNED=grp.aligned,
-            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, HAS_CLIP=has_clip,
-            EPS_INSIDE_SQRT=hp["eps_inside_sqrt"], **meta,
-        )  # fmt: skip
+            *table,
+            wl.item_tensor[b:],
+            wl.item_start[b:],
+            wl.n_tensors,
+            grad_scale,
+            found_inf,
+            clip,
+            sq[b:],
+            n_items,
+            hp["beta1"],
+            1.0 - hp["beta1"],
+            hp["beta2"],
+            1.0 - hp["beta2"],
+            hp["eps"],
+            hp["weight_decay"],
+            P_DTYPE=p_dt,
+            G_DTYPE=g_dt,
+            M_DTYPE=m_dt,
+            V_DTYPE=v_dt,
+            ALIGNED=grp.aligned,
+            HAS_GRAD_SCALE=grad_scale is not None,
+            HAS_FOUND_INF=found_inf is not None,
+            HAS_CLIP=has_clip,
+            EPS_INSIDE_SQRT=hp["eps_inside_sqrt"],
+            **meta,
+        )
     _ratio_kernel[(wl.n_tensors,)](
-        sq, n_items, wl.first_item, wl.n_items_of, coeffs_out, found_inf, hp["max_coeff"], hp["min_coeff"],
-        HAS_FOUND_INF=found_inf is not None, BLOCK_SIZE=_REDUCE_BLOCK,
-    )  # fmt: skip
+        sq,
+        n_items,
+        wl.first_item,
+        wl.n_items_of,
+        coeffs_out,
+        found_inf,
+        hp["max_coeff"],
+        hp["min_coeff"],
+        HAS_FOUND_INF=found_inf is not None,
+        BLOCK_SIZE=_REDUCE_BLOCK,
+    )
     for grp in groups:
         b, e = grp.begin, grp.end
         p_dt, g_dt, m_dt, v_dt, c_dt = grp.dtypes
         _phase3_kernel[(e - b,)](
-            *table, wl.item_tensor[b:], wl.item_start[b:], wl.n_tensors, step, grad_scale, found_inf, clip,
-            coeffs_out, hp["lr"], hp["beta1"], 1.0 - hp["beta1"], hp["beta2"], 1.0 - hp["beta2"],
-            log_beta(hp["beta1"]), log_beta(hp["beta2"]), hp["eps"], hp["weight_decay"],
-            P_DTYPE=p_dt, G_DTYPE=g_dt, M_DTYPE=m_dt, V_DTYPE=v_dt, C_DTYPE=c_dt, ALIGNED=grp.aligned,
-            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, HAS_CLIP=has_clip,
-            BIAS_CORRECTION=hp["bias_correction"], EPS_INSIDE_SQRT=hp["eps_inside_sqrt"], **meta,
-        )  # fmt: skip
+            *table,
+            wl.item_tensor[b:],
+            wl.item_start[b:],
+            wl.n_tensors,
+            step,
+            grad_scale,
+            found_inf,
+            clip,
+            coeffs_out,
+            hp["lr"],
+            hp["beta1"],
+            1.0 - hp["beta1"],
+            hp["beta2"],
+            1.0 - hp["beta2"],
+            log_beta(hp["beta1"]),
+            log_beta(hp["beta2"]),
+            hp["eps"],
+            hp["weight_decay"],
+            P_DTYPE=p_dt,
+            G_DTYPE=g_dt,
+            M_DTYPE=m_dt,
+            V_DTYPE=v_dt,
+            C_DTYPE=c_dt,
+            ALIGNED=grp.aligned,
+            HAS_GRAD_SCALE=grad_scale is not None,
+            HAS_FOUND_INF=found_inf is not None,
+            HAS_CLIP=has_clip,
+            BIAS_CORRECTION=hp["bias_correction"],
+            EPS_INSIDE_SQRT=hp["eps_inside_sqrt"],
+            **meta,
+        )
 
 
 @torch.no_grad()
@@ -321,40 +605,44 @@ def lamb_step(
     exp_avg_sqs: list[Tensor],
     *,
     step: Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    eps_inside_sqrt: bool,
-    weight_decay: float,
-    bias_correction: bool,
-    max_grad_norm: float,
-    max_coeff: float,
-    min_coeff: float,
+    hp=None,
+    coeffs_out: Tensor,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     param_copies: list[Tensor] | None = None,
-    coeffs_out: Tensor,
+    **hyper,
 ) -> None:
     """One LAMB step on every tensor of the lists, in place (formula in the module
-    docstring); ``coeffs_out[i]`` receives the trust ratio r of tensor i.
+    docstring); ``hp``: the hyperparameters (fastzero.ops.LambHyperparams), or all
+    of their fields as keywords;
+    ``coeffs_out[i]`` receives the trust ratio r of tensor i.
 
     ``step`` is a 0-d float32 device tensor holding t >= 1; ``grad_scale`` (0-d
     float32) divides the grads; where ``found_inf`` (0-d float32) is nonzero nothing
     changes, ``coeffs_out`` included. All three are read on the device: no host sync.
     """
-    check_inputs(params, grads, exp_avgs, exp_avg_sqs, param_copies,
-                 {"step": step, "grad_scale": grad_scale, "found_inf": found_inf})  # fmt: skip
+    hp = hp if hp is not None else SimpleNamespace(**hyper)  # every field, when no hp is given
+    check_inputs(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        param_copies,
+        {"step": step, "grad_scale": grad_scale, "found_inf": found_inf},
+    )
     if not isinstance(coeffs_out, Tensor) or coeffs_out.dtype != torch.float32 or coeffs_out.shape != (len(params),):
         raise TypeError(f"coeffs_out must be a float32 tensor of shape ({len(params)},) (one trust ratio per param)")
-    if not params:
-        return
-    if coeffs_out.device != params[0].device or not coeffs_out.is_contiguous():
+    if params and (coeffs_out.device != params[0].device or not coeffs_out.is_contiguous()):
         raise ValueError(f"coeffs_out must be contiguous and on {params[0].device}, like the params")
-    if not math.isfinite(max_grad_norm) or max_grad_norm < 0.0:
-        raise ValueError(f"invalid max_grad_norm {max_grad_norm}: it must be >= 0 (0 turns clipping off)")
-    floats = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                  max_coeff=max_coeff, min_coeff=min_coeff)  # fmt: skip
-    hp = {k: float(x) for k, x in floats.items()}  # a Python int would make Triton specialize the kernel
-    hp.update(eps_inside_sqrt=bool(eps_inside_sqrt), bias_correction=bool(bias_correction))
-    _launch(params, grads, exp_avgs, exp_avg_sqs, param_copies, step, grad_scale, found_inf, coeffs_out, hp)
+    launch(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        step=step,
+        hp=hp,
+        coeffs_out=coeffs_out,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        param_copies=param_copies,
+    )

@@ -65,8 +65,9 @@ def _pack_kernel(x_ptr, e_ptr, bits_ptr, scales_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _unpack_kernel(bits_ptr, scales_ptr, out_ptr, n_bytes, row_bytes, rows, rows_f, AVERAGE: tl.constexpr,
-                   BYTES: tl.constexpr):  # fmt: skip
+def _unpack_kernel(
+    bits_ptr, scales_ptr, out_ptr, n_bytes, row_bytes, rows, rows_f, AVERAGE: tl.constexpr, BYTES: tl.constexpr
+):
     """Values of BYTES consecutive bytes: of the flat bits (each byte with its row's scale),
     or with AVERAGE of one row's columns, averaged over the rows in row order."""
     k = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
@@ -115,5 +116,15 @@ def onebit_unpack(bits: Tensor, scales: Tensor, out: Tensor, average: bool) -> N
     if n_bytes == 0:
         return
     grid = (triton.cdiv(n_bytes, BLOCK // 8),)
-    _unpack_kernel[grid](bits, scales, out, n_bytes, row_bytes, rows, float(rows), AVERAGE=bool(average),
-                         BYTES=BLOCK // 8, num_warps=NUM_WARPS)  # fmt: skip
+    _unpack_kernel[grid](
+        bits,
+        scales,
+        out,
+        n_bytes,
+        row_bytes,
+        rows,
+        float(rows),
+        AVERAGE=bool(average),
+        BYTES=BLOCK // 8,
+        num_warps=NUM_WARPS,
+    )

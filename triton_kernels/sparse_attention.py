@@ -58,9 +58,29 @@ def _mm(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
-def _probs_and_ds(q, k, v, do, lse, delta, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am,
-                  BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr,
-                  FP32: tl.constexpr):  # fmt: skip
+def _probs_and_ds(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    qi,
+    kj,
+    b,
+    h,
+    scale,
+    KPM,
+    AM,
+    s_kpm_b,
+    s_am_h,
+    s_am,
+    BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_AM: tl.constexpr,
+    FP32: tl.constexpr,
+):
     """The backward's tile: probabilities recomputed from the saved lse, and
     dS = P * (dO V^T - rowsum(dO * O))."""
     s = _scores(q, k, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK, CAUSAL, HAS_KPM, HAS_AM, FP32)
@@ -70,8 +90,25 @@ def _probs_and_ds(q, k, v, do, lse, delta, qi, kj, b, h, scale, KPM, AM, s_kpm_b
 
 
 @triton.jit
-def _scores(q, k, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-            HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr, FP32: tl.constexpr):  # fmt: skip
+def _scores(
+    q,
+    k,
+    qi,
+    kj,
+    b,
+    h,
+    scale,
+    KPM,
+    AM,
+    s_kpm_b,
+    s_am_h,
+    s_am,
+    BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_AM: tl.constexpr,
+    FP32: tl.constexpr,
+):
     """One tile of scores, fp32, masked: query block qi x key block kj."""
     s = _mm(q, tl.trans(k), FP32) * scale
     rows = qi * BLOCK + tl.arange(0, BLOCK)
@@ -86,10 +123,33 @@ def _scores(q, k, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK: tl
 
 
 @triton.jit
-def _fwd(Q, K, V, OUT, LSE, ROW_PTR, COLS, KPM, AM, scale, seq, nb, heads,
-         s_b, s_h, s_s, s_kpm_b, s_am_h, s_am,
-         BLOCK: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-         HAS_AM: tl.constexpr, FP32: tl.constexpr):  # fmt: skip
+def _fwd(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    ROW_PTR,
+    COLS,
+    KPM,
+    AM,
+    scale,
+    seq,
+    nb,
+    heads,
+    s_b,
+    s_h,
+    s_s,
+    s_kpm_b,
+    s_am_h,
+    s_am,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_AM: tl.constexpr,
+    FP32: tl.constexpr,
+):
     qi = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -124,10 +184,35 @@ def _fwd(Q, K, V, OUT, LSE, ROW_PTR, COLS, KPM, AM, scale, seq, nb, heads,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, ROW_PTR, COLS, KPM, AM, scale, seq, nb, heads,
-            s_b, s_h, s_s, s_kpm_b, s_am_h, s_am,
-            BLOCK: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-            HAS_AM: tl.constexpr, FP32: tl.constexpr):  # fmt: skip
+def _bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    ROW_PTR,
+    COLS,
+    KPM,
+    AM,
+    scale,
+    seq,
+    nb,
+    heads,
+    s_b,
+    s_h,
+    s_s,
+    s_kpm_b,
+    s_am_h,
+    s_am,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_AM: tl.constexpr,
+    FP32: tl.constexpr,
+):
     qi = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -147,17 +232,64 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, ROW_PTR, COLS, KPM, AM, scale, seq, nb,
         kv = base + (kj * BLOCK + offs)[:, None] * s_s + d[None, :]
         k = tl.load(K + kv)
         v = tl.load(V + kv)
-        _, ds = _probs_and_ds(q, k, v, do, lse, delta, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK,
-                              CAUSAL, HAS_KPM, HAS_AM, FP32)  # fmt: skip
+        _, ds = _probs_and_ds(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            qi,
+            kj,
+            b,
+            h,
+            scale,
+            KPM,
+            AM,
+            s_kpm_b,
+            s_am_h,
+            s_am,
+            BLOCK,
+            CAUSAL,
+            HAS_KPM,
+            HAS_AM,
+            FP32,
+        )
         dq += _mm(ds, k, FP32)
     tl.store(DQ + rows, (dq * scale).to(DQ.dtype.element_ty))
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_PTR, ROWS, KPM, AM, scale, seq, nb, heads,
-              s_b, s_h, s_s, s_kpm_b, s_am_h, s_am,
-              BLOCK: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-              HAS_AM: tl.constexpr, FP32: tl.constexpr):  # fmt: skip
+def _bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    COL_PTR,
+    ROWS,
+    KPM,
+    AM,
+    scale,
+    seq,
+    nb,
+    heads,
+    s_b,
+    s_h,
+    s_s,
+    s_kpm_b,
+    s_am_h,
+    s_am,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_AM: tl.constexpr,
+    FP32: tl.constexpr,
+):
     kj = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -178,8 +310,29 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_PTR, ROWS, KPM, AM, scale, se
         do = tl.load(DO + rows)
         lse = tl.load(LSE + bh * seq + qi * BLOCK + offs)
         delta = tl.load(DELTA + bh * seq + qi * BLOCK + offs)
-        p, ds = _probs_and_ds(q, k, v, do, lse, delta, qi, kj, b, h, scale, KPM, AM, s_kpm_b, s_am_h, s_am, BLOCK,
-                              CAUSAL, HAS_KPM, HAS_AM, FP32)  # fmt: skip
+        p, ds = _probs_and_ds(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            qi,
+            kj,
+            b,
+            h,
+            scale,
+            KPM,
+            AM,
+            s_kpm_b,
+            s_am_h,
+            s_am,
+            BLOCK,
+            CAUSAL,
+            HAS_KPM,
+            HAS_AM,
+            FP32,
+        )
         dv += _mm(tl.trans(p), do, FP32)
         dk += _mm(tl.trans(ds), q, FP32)
     tl.store(DK + cols, (dk * scale).to(DK.dtype.element_ty))
@@ -187,8 +340,15 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COL_PTR, ROWS, KPM, AM, scale, se
 
 
 def _meta(q: Tensor, block: int, causal: bool, kpm: Tensor | None, am: Tensor | None) -> dict:
-    return dict(BLOCK=block, D=q.shape[-1], CAUSAL=causal, HAS_KPM=kpm is not None, HAS_AM=am is not None,
-                FP32=q.dtype == torch.float32, num_warps=4 if block * q.shape[-1] <= 64 * 64 else 8)  # fmt: skip
+    return dict(
+        BLOCK=block,
+        D=q.shape[-1],
+        CAUSAL=causal,
+        HAS_KPM=kpm is not None,
+        HAS_AM=am is not None,
+        FP32=q.dtype == torch.float32,
+        num_warps=4 if block * q.shape[-1] <= 64 * 64 else 8,
+    )
 
 
 def _masks(q: Tensor, kpm: Tensor | None, am: Tensor | None) -> tuple[Tensor, Tensor, tuple[int, int, int]]:
@@ -199,8 +359,17 @@ def _masks(q: Tensor, kpm: Tensor | None, am: Tensor | None) -> tuple[Tensor, Te
     return (kpm if kpm is not None else dummy), (am if am is not None else dummy), strides
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, lists: tuple, block: int, scale: float, causal: bool,
-            kpm: Tensor | None = None, am: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lists: tuple,
+    block: int,
+    scale: float,
+    causal: bool,
+    kpm: Tensor | None = None,
+    am: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """(out, lse) for contiguous q, k, v [B, H, S, D] (S a multiple of the
     block); masks fp32 contiguous or None."""
     batch, heads, seq, dim = q.shape
@@ -208,14 +377,43 @@ def forward(q: Tensor, k: Tensor, v: Tensor, lists: tuple, block: int, scale: fl
     out = torch.empty_like(q)
     lse = torch.empty(batch * heads, seq, dtype=torch.float32, device=q.device)
     k_arg, a_arg, mask_strides = _masks(q, kpm, am)
-    _fwd[(nb, batch * heads)](q, k, v, out, lse, lists[0], lists[1], k_arg, a_arg, scale, seq, nb, heads,
-                              q.stride(0), q.stride(1), q.stride(2), *mask_strides,
-                              **_meta(q, block, causal, kpm, am))  # fmt: skip
+    _fwd[(nb, batch * heads)](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        lists[0],
+        lists[1],
+        k_arg,
+        a_arg,
+        scale,
+        seq,
+        nb,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        *mask_strides,
+        **_meta(q, block, causal, kpm, am),
+    )
     return out, lse
 
 
-def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lists: tuple, block: int,
-             scale: float, causal: bool, kpm: Tensor | None = None, am: Tensor | None = None):  # fmt: skip
+def backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    lists: tuple,
+    block: int,
+    scale: float,
+    causal: bool,
+    kpm: Tensor | None = None,
+    am: Tensor | None = None,
+):
     """(dq, dk, dv)."""
     batch, heads, seq, dim = q.shape
     nb = seq // block
@@ -225,8 +423,10 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
     k_arg, a_arg, mask_strides = _masks(q, kpm, am)
     meta = _meta(q, block, causal, kpm, am)
     strides = (q.stride(0), q.stride(1), q.stride(2), *mask_strides)
-    _bwd_dq[(nb, batch * heads)](q, k, v, do, dq, lse, delta, lists[0], lists[1], k_arg, a_arg, scale, seq, nb,
-                                 heads, *strides, **meta)  # fmt: skip
-    _bwd_dkdv[(nb, batch * heads)](q, k, v, do, dk, dv, lse, delta, lists[2], lists[3], k_arg, a_arg, scale, seq,
-                                   nb, heads, *strides, **meta)  # fmt: skip
+    _bwd_dq[(nb, batch * heads)](
+        q, k, v, do, dq, lse, delta, lists[0], lists[1], k_arg, a_arg, scale, seq, nb, heads, *strides, **meta
+    )
+    _bwd_dkdv[(nb, batch * heads)](
+        q, k, v, do, dk, dv, lse, delta, lists[2], lists[3], k_arg, a_arg, scale, seq, nb, heads, *strides, **meta
+    )
     return dq, dk, dv

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from fastzero import native
-from fastzero.ops.reference.tolerances import assert_close
+from fastzero.ops.tolerances import assert_close
 
 from ..harness import Runner, Unavailable
 

@@ -252,7 +252,7 @@ def make_inputs(spec: Spec, seed: int = 0) -> Inputs:
 
 def _fastzero_op():
     """The op (``block_sparse_attention``; ``sparse_attention`` in older trees) and whether it takes `lists`."""
-    from fastzero.ops import sparse_attention as sa
+    from fastzero.ops.sparse_attention import attention as sa
 
     op = getattr(sa, "block_sparse_attention", None) or sa.sparse_attention
     return op, "lists" in inspect.signature(op).parameters
@@ -301,7 +301,7 @@ def attention_fn(spec: Spec, provider: str) -> Callable[[torch.Tensor, torch.Ten
         block, causal = spec.kernel_block, spec.causal
         return lambda q, k, v: op(q, k, v, layout, block, causal=causal, backend=backend, **more)
     if provider == "dense":
-        from fastzero.ops.sparse_attention import dense_attention
+        from fastzero.ops.sparse_attention.reference import dense_attention
 
         keep = None
         if spec.causal:
@@ -363,7 +363,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str)
 def check_slice(spec: Spec, provider: str, fn: Callable, inp: Inputs, grads: bool) -> None:
     """fn against fp64 dense attention with the provider's element mask on the rows of check_rows(): the
     output there, and with an upstream gradient on those rows only, dq there and all of dk, dv."""
-    from fastzero.ops.sparse_attention import dense_attention
+    from fastzero.ops.sparse_attention.reference import dense_attention
 
     rows = check_rows(spec)
     q, k, v = inp.q, inp.k, inp.v
@@ -470,7 +470,7 @@ def gpu_cases(seqs, dims, densities, dtype="bf16", device="cuda", heads=GPU_HEAD
 
 
 def cpu_cases(seqs, dtype="fp32", fit: bool = True) -> list[AttnCase]:
-    from fastzero.ops import sparse_attention as sa
+    from fastzero.ops.sparse_attention import attention as sa
 
     out = []
     for seq in seqs:
@@ -653,7 +653,7 @@ def _release() -> None:
 def _run_worker(request: dict, timeout: float) -> dict:
     """Runs this module as a subprocess (python -m <bench>.kernels.sparse_attention REQUEST) with glibc's mmap
     threshold fixed at 64 KiB and WORKER_THREADS threads; returns its result."""
-    from fastzero.ops import sparse_attention as sa
+    from fastzero.ops.sparse_attention import attention as sa
 
     request = dict(request, threads=WORKER_THREADS, dense_max_seq=sa.DENSE_CPU_MAX_SEQ)
     proc = subprocess.run(worker_command("kernels.sparse_attention", json.dumps(request)), cwd=ROOT,
@@ -677,7 +677,7 @@ def measure_cpu_memory(spec: Spec, providers: list[str]) -> dict[str, dict]:
 def _warm(spec: Spec, provider: str) -> None:
     """One small forward + backward on each CPU path (dense masked, blocked): the one-time set-up (thread
     pools, autograd's, oneDNN's) is paid before a baseline is taken, so it is not counted as the job's."""
-    from fastzero.ops import sparse_attention as sa
+    from fastzero.ops.sparse_attention import attention as sa
 
     b = spec.layout_block
     for seq in sorted({min(spec.seq, 2 * b), (sa.DENSE_CPU_MAX_SEQ // b + 1) * b}):
@@ -877,7 +877,7 @@ def _fit_table(case_info: dict, provs: dict[str, dict]) -> list[str]:
 def _worker(argv: list[str]) -> None:
     request = json.loads(argv[0])
     torch.set_num_threads(request["threads"])
-    from fastzero.ops import sparse_attention as sa
+    from fastzero.ops.sparse_attention import attention as sa
 
     sa.DENSE_CPU_MAX_SEQ = request["dense_max_seq"]  # the parent's (the tests lower it)
     spec = Spec(**request["spec"])

@@ -1,32 +1,51 @@
-"""fastzero's public kernel API: each op picks the fastest backend it has
-(FASTZERO_BACKEND forces one) and says which ran."""
+"""fastzero's public kernel API, one folder per kernel family (adam, lamb,
+onebit, sparse_attention: each with its hyperparameters, reference, input
+checks and registered backends, the torch.optim classes on top). Every op
+picks its backend by one rule (fastzero.ops.backend): ``backend=`` >
+``FASTZERO_BACKEND`` > the fastest available, and says which ran."""
 
-from fastzero.ops import onebit, reference
+from fastzero.ops import onebit, reference, tolerances
+from fastzero.ops.adam import AdamHyperparams, CPUAdam, FusedAdam, cpu_adam_step
 from fastzero.ops.backend import backends, report
-from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
-from fastzero.ops.cpu_lamb import cpu_lamb_step
-from fastzero.ops.fused_adam import FusedAdam
-from fastzero.ops.fused_lamb import FusedLamb
+from fastzero.ops.lamb import FusedLamb, LambHyperparams, cpu_lamb_step
 from fastzero.ops.onebit_adam import OneBitAdam
 from fastzero.ops.sparse_attention import (
-    SparseAttention,
-    block_sparse_attention,
-    pad_to_block_size,
-    unpad_sequence_output,
-)
-from fastzero.ops.sparsity_config import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
     DenseSparsityConfig,
     FixedSparsityConfig,
     LocalSlidingWindowSparsityConfig,
+    SparseAttention,
     SparsityConfig,
     VariableSparsityConfig,
+    block_sparse_attention,
+    pad_to_block_size,
+    unpad_sequence_output,
 )
 
 __all__ = [
-    "BSLongformerSparsityConfig", "BigBirdSparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig",
-    "LocalSlidingWindowSparsityConfig", "SparsityConfig", "VariableSparsityConfig",
-    "CPUAdam", "FusedAdam", "FusedLamb", "OneBitAdam", "SparseAttention", "backends", "cpu_adam_step", "cpu_lamb_step",
-    "block_sparse_attention", "onebit", "pad_to_block_size", "reference", "report", "unpad_sequence_output",
-]  # fmt: skip
+    "AdamHyperparams",
+    "BSLongformerSparsityConfig",
+    "BigBirdSparsityConfig",
+    "CPUAdam",
+    "DenseSparsityConfig",
+    "FixedSparsityConfig",
+    "FusedAdam",
+    "FusedLamb",
+    "LambHyperparams",
+    "LocalSlidingWindowSparsityConfig",
+    "OneBitAdam",
+    "SparseAttention",
+    "SparsityConfig",
+    "VariableSparsityConfig",
+    "backends",
+    "block_sparse_attention",
+    "cpu_adam_step",
+    "cpu_lamb_step",
+    "onebit",
+    "pad_to_block_size",
+    "reference",
+    "report",
+    "tolerances",
+    "unpad_sequence_output",
+]

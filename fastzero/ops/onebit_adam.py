@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.ops.fused_adam import FusedAdam
+from fastzero.ops.adam import FusedAdam
 
 
 def _trained(group: dict) -> list[Tensor]:

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
+from fastzero.ops import AdamHyperparams, CPUAdam, cpu_adam_step
 
 CHUNK = 1 << 22  # at most this many elements per pipelined piece (16 MiB of fp32 master)
 MIN_CHUNK = 1 << 16  # at least this many: each piece is one kernel call, and a call has a fixed cost
@@ -94,7 +94,7 @@ class OffloadedAdam(CPUAdam):
         if found_inf is not None and bool(found_inf):
             return None
         for group in self.param_groups:
-            self._check_group(0, group)
+            hp = AdamHyperparams.from_group(group)  # checks them too
             total = sum(m.numel() for m in group["params"])
             chunk = self.chunk or min(CHUNK, max(MIN_CHUNK, -(-total // PIECES)))
             pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"]
@@ -102,10 +102,6 @@ class OffloadedAdam(CPUAdam):
             if not pieces:
                 continue
             group["step"] = int(group.get("step", 0)) + 1
-            beta1, beta2 = group["betas"]
-            hyper = dict(step=group["step"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-                         adamw_mode=group["adamw_mode"], grad_scale=grad_scale)  # fmt: skip
 
             def fetch(piece):
                 m, lo, hi = piece
@@ -115,12 +111,18 @@ class OffloadedAdam(CPUAdam):
             for k, (m, lo, hi) in enumerate(pieces):
                 following = fetch(pieces[k + 1]) if k + 1 < len(pieces) else None
                 self.transfers.wait(incoming)
-                state = self.state[m]
-                if not state:
-                    self._init_state(m, state)
+                state = self.init_state(m)
                 copies = None if self.param_out is None else [self.param_out[m][lo:hi]]
-                cpu_adam_step([m[lo:hi]], [self.grad_in[m][lo:hi]], [state["exp_avg"][lo:hi]],
-                              [state["exp_avg_sq"][lo:hi]], param_copies=copies, **hyper)  # fmt: skip
+                cpu_adam_step(
+                    [m[lo:hi]],
+                    [self.grad_in[m][lo:hi]],
+                    [state["exp_avg"][lo:hi]],
+                    [state["exp_avg_sq"][lo:hi]],
+                    step=group["step"],
+                    hp=hp,
+                    grad_scale=grad_scale,
+                    param_copies=copies,
+                )
                 out = m[lo:hi] if copies is None else copies[0]
                 outgoing.append(self.transfers.copy(self.device_of[m].reshape(-1)[lo:hi], out))
                 incoming = following

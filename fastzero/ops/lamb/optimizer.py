@@ -9,20 +9,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.checks import check_adam_hyperparams, check_lamb_hyperparams
-from fastzero.ops import cpu_lamb, reference
-from fastzero.ops.fused import FusedOptimizer
-from fastzero.ops.optimizer import GroupLists
+from fastzero.ops.lamb.backends import FAMILY
+from fastzero.ops.lamb.hyperparams import LambHyperparams
+from fastzero.ops.optimizer_base import AdamFamilyOptimizer, GroupLists
 
 
-class FusedLamb(FusedOptimizer):
+class FusedLamb(AdamFamilyOptimizer):
     r"""LAMB with fused multi-tensor kernels, wherever the params live.
 
     DeepSpeed's ``FusedLamb`` signature: ``FusedLamb(params, lr,
     bias_correction, betas, eps, eps_inside_sqrt, weight_decay,
     max_grad_norm, max_coeff, min_coeff, amsgrad)``, plus ``master_weights``
-    and ``fp32_optimizer_states`` as in :class:`FusedAdam`. Per tensor, in
-    fp32 (:func:`fastzero.ops.reference.lamb_step`):
+    and ``fp32_optimizer_states`` as in :class:`FusedAdam` (and any other
+    field of :class:`LambHyperparams` as a keyword). Per tensor, in fp32
+    (:func:`fastzero.ops.lamb.reference.lamb_step`):
 
     .. math::
         \hat g = g / s;\ m \leftarrow \beta_1 m + (1-\beta_1)\hat g;\
@@ -36,7 +36,7 @@ class FusedLamb(FusedOptimizer):
     computed on the device, with no host sync per tensor.
     """
 
-    _op_name, _kernel_name = "FusedLamb", "lamb_step"
+    family, hyperparams = FAMILY, LambHyperparams
 
     def __init__(
         self,
@@ -55,19 +55,25 @@ class FusedLamb(FusedOptimizer):
         master_weights: bool = False,
         fp32_optimizer_states: bool = True,
         backend: str | None = None,
+        **hyper: Any,
     ) -> None:
         if amsgrad:
             raise ValueError("FusedLamb does not implement amsgrad")
-        check_adam_hyperparams(lr, betas, eps, weight_decay)
-        check_lamb_hyperparams(max_grad_norm, max_coeff, min_coeff)
-        defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
-            bias_correction=bias_correction, max_grad_norm=max_grad_norm, max_coeff=max_coeff,
-            min_coeff=min_coeff, amsgrad=False,
-        )  # fmt: skip
+        hp = LambHyperparams.from_kwargs(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            max_grad_norm=max_grad_norm,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            **hyper,
+        )
         super().__init__(
             params,
-            defaults,
+            hp,
             fp32_optimizer_states=fp32_optimizer_states,
             master_weights=master_weights,
             backend=backend,
@@ -82,23 +88,6 @@ class FusedLamb(FusedOptimizer):
             c = self._coeffs[gi]
             out += c.tolist() if isinstance(c, Tensor) else list(c)
         return out
-
-    def _check_group(self, gi: int, group: dict) -> None:
-        check_adam_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        check_lamb_hyperparams(group["max_grad_norm"], group["max_coeff"], group["min_coeff"])
-        if group.get("amsgrad", False):
-            raise ValueError(f"param group {gi} sets amsgrad=True; FusedLamb does not implement amsgrad")
-
-    def _hyper(self, group: dict) -> dict:
-        beta1, beta2 = group["betas"]
-        return dict(
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], eps_inside_sqrt=group["eps_inside_sqrt"],
-            weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-            max_grad_norm=group["max_grad_norm"], max_coeff=group["max_coeff"], min_coeff=group["min_coeff"],
-        )  # fmt: skip
-
-    def _host_step(self, backend: str):
-        return cpu_lamb._launch if backend == "cpu" else reference.lamb_step
 
     def _keep(self, gi: int, ratios) -> None:
         self._coeffs[gi] = ratios

@@ -6,19 +6,17 @@ of a chunk in bit ``i % 8`` of byte ``i // 8``) and leaves the new error in
 place, in one kernel. ``unpack`` turns bits and scales back into values:
 either each row with its own scale (the gathered result) or the average of
 the rows (the server's average of what every worker sent). The math is
-:mod:`fastzero.ops.reference.onebit`.
+:mod:`fastzero.ops.onebit.reference`; the backends are registered in
+``backends.py`` (``backend=`` > ``FASTZERO_BACKEND`` > the fastest here).
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import Tensor
 
-from fastzero import native
-from fastzero.ops.backend import device_backend
-from fastzero.ops.reference import onebit as ref
+from fastzero.ops.onebit import reference
+from fastzero.ops.onebit.backends import FAMILY
 
 _PACK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -47,24 +45,15 @@ def pack(x: Tensor, error: Tensor, chunks: int = 1, *, backend: str | None = Non
     _check_pack(x, error, chunks)
     bits = torch.empty(x.numel() // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(chunks, dtype=torch.float32, device=x.device)
-    which = device_backend("onebit_pack", x.device.type, backend)
-    if which == "reference":
-        b, s, e = ref.compress(x.reshape(-1), error.reshape(-1), chunks)
-        bits.copy_(b)
-        scales.copy_(s)
-        error.copy_(e.reshape(error.shape))
-    elif which == "cpu":
-        ops = native.cpu_ops()
-        ops.onebit_pack(native.ISA_NAMES.index(native.cpu_isa()), x.data_ptr(), native.DTYPE_CODES[x.dtype],
-                        error.data_ptr(), bits.data_ptr(), scales.data_ptr(), x.numel(), chunks,
-                        torch.get_num_threads())  # fmt: skip
-    else:
-        _device_module(which).onebit_pack(x.reshape(-1), error.reshape(-1), bits, scales, chunks)
+    FAMILY.impl(FAMILY.choose(x.device.type, backend).backend).onebit_pack(
+        x.reshape(-1), error.reshape(-1), bits, scales, chunks
+    )
     return bits, scales
 
 
-def unpack(bits: Tensor, scales: Tensor, *, average: bool = False, out: Tensor | None = None,
-           backend: str | None = None) -> Tensor:  # fmt: skip
+def unpack(
+    bits: Tensor, scales: Tensor, *, average: bool = False, out: Tensor | None = None, backend: str | None = None
+) -> Tensor:
     """fp32 values of `bits` (one row per scale): rows concatenated, each
     sign times its row's scale, or with ``average=True`` the mean of the
     rows (one row's length)."""
@@ -81,22 +70,8 @@ def unpack(bits: Tensor, scales: Tensor, *, average: bool = False, out: Tensor |
         out = torch.empty(numel, dtype=torch.float32, device=bits.device)
     elif out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous() or out.device != bits.device:
         raise ValueError(f"onebit unpack: out must be a contiguous float32 tensor of {numel} on {bits.device}")
-    which = device_backend("onebit_unpack", bits.device.type, backend)
-    if which == "reference":
-        values = ref.decompress(bits, scales)
-        out.copy_(values.reshape(rows, -1).mean(0) if average else values)
-    elif which == "cpu":
-        native.cpu_ops().onebit_unpack(native.ISA_NAMES.index(native.cpu_isa()), bits.data_ptr(), scales.data_ptr(),
-                                       out.data_ptr(), rows, bits.numel() // rows, average,
-                                       torch.get_num_threads())  # fmt: skip
-    else:
-        _device_module(which).onebit_unpack(bits, scales, out, average)
+    FAMILY.impl(FAMILY.choose(bits.device.type, backend).backend).onebit_unpack(bits, scales, out, average)
     return out
 
 
-def _device_module(which: str):
-    if which == "cuda":
-        from fastzero.ops import cuda
-
-        return cuda
-    return importlib.import_module("fastzero.triton_kernels.onebit")
+__all__ = ["FAMILY", "pack", "reference", "unpack"]

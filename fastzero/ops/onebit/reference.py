@@ -44,3 +44,17 @@ def decompress(packed: Tensor, scales: Tensor) -> Tensor:
     """fp32 [numel]: each chunk's signs times its scale."""
     signs = unpack_signs(packed.reshape(scales.numel(), -1))
     return (signs * scales[:, None]).reshape(-1)
+
+
+def onebit_pack(x: Tensor, error: Tensor, bits: Tensor, scales: Tensor, chunks: int) -> None:
+    """:func:`compress` into the given outputs, as every backend's pack does."""
+    b, s, e = compress(x.reshape(-1), error.reshape(-1), chunks)
+    bits.copy_(b)
+    scales.copy_(s)
+    error.copy_(e.reshape(error.shape))
+
+
+def onebit_unpack(bits: Tensor, scales: Tensor, out: Tensor, average: bool) -> None:
+    """:func:`decompress` into `out`: each row, or the mean of the rows."""
+    values = decompress(bits, scales)
+    out.copy_(values.reshape(scales.numel(), -1).mean(0) if average else values)

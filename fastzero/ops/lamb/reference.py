@@ -1,9 +1,14 @@
+"""LAMB (DeepSpeed's FusedLamb math) in plain PyTorch: the math every LAMB
+backend is tested against, and the fallback where no faster backend runs."""
+
 from __future__ import annotations
 
 import math
 
 import torch
 from torch import Tensor
+
+from fastzero.ops.lamb.hyperparams import LambHyperparams
 
 
 @torch.no_grad()
@@ -14,21 +19,14 @@ def lamb_step(
     exp_avg_sqs: list[Tensor],
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    eps_inside_sqrt: bool = False,
-    weight_decay: float = 0.0,
-    bias_correction: bool = True,
-    max_grad_norm: float = 0.0,
-    max_coeff: float = 10.0,
-    min_coeff: float = 0.01,
+    hp: LambHyperparams | None = None,
     grad_scale: float | None = None,
     param_copies: list[Tensor] | None = None,
+    **hyper,
 ) -> list[float]:
     r"""One LAMB step (DeepSpeed's FusedLamb math), fp32 whatever the storage
-    dtypes, in place. Returns the trust ratio used for each tensor.
+    dtypes, in place. Returns the trust ratio used for each tensor. The
+    hyperparameters are ``hp`` or keywords (``lr=``, ``max_grad_norm=``, ...).
 
     .. math::
         \hat g &= g / s_0 / s, \quad s_0 = \text{grad\_scale},\quad
@@ -44,8 +42,11 @@ def lamb_step(
         p &\leftarrow p - \text{lr}\,\frac{\sqrt{bc_2}}{bc_1}\, r\, u
             \qquad bc_i = 1 - \beta_i^{t} \text{ (1 without bias correction)}
     """
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    h = hp if hp is not None else LambHyperparams.from_kwargs(**hyper)
+    lr, beta1, beta2, eps, weight_decay = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
+    max_grad_norm, max_coeff, min_coeff = h.max_grad_norm, h.max_coeff, h.min_coeff
+    bc1 = 1.0 - beta1**step if h.bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if h.bias_correction else 1.0
     step_size = lr * math.sqrt(bc2) / bc1
     unscaled = [g.float() if grad_scale is None else g.float() / grad_scale for g in grads]
     clip = 1.0
@@ -60,7 +61,7 @@ def lamb_step(
         p32 = p.float().clone()
         m32 = m.float() * beta1 + (1.0 - beta1) * g32
         v32 = v.float() * beta2 + (1.0 - beta2) * g32 * g32
-        denom = (v32 + eps).sqrt() if eps_inside_sqrt else v32.sqrt() + eps
+        denom = (v32 + eps).sqrt() if h.eps_inside_sqrt else v32.sqrt() + eps
         update = m32 / denom + weight_decay * p32
         p_norm, u_norm = float(p32.double().norm()), float(update.double().norm())
         ratio = 1.0 if p_norm == 0.0 or u_norm == 0.0 else min(max(p_norm / u_norm, min_coeff), max_coeff)

@@ -1,7 +1,9 @@
 """The base of fastzero's Adam-family optimizers (CPUAdam, FusedAdam,
 FusedLamb): gathering a group's tensors, the per-group step counter, loss
-scaling inputs, fp32 master weights, and torch.optim-compatible state dicts.
-Subclasses only say how one group's lists are updated (``_update``)."""
+scaling inputs, fp32 master weights, torch.optim-compatible state dicts, and
+the dispatch of one group's lists to the backend its family's registry picks
+(fastzero.ops.backend). A subclass names its family, its hyperparameters and,
+where it has them, the extra device arguments and results of a step."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero import native
-from fastzero.checks import check_same_size, check_tensor
+from fastzero.checks import check_optimizer_lists, check_same_size, check_tensor
+from fastzero.native import DTYPE_CODES
+from fastzero.ops.backend import Family
+from fastzero.ops.hyperparams import Hyperparams
 
-_DTYPES = frozenset(native.DTYPE_CODES)
+_DTYPES = frozenset(DTYPE_CODES)
+HOST_BACKENDS = ("cpu", "reference")  # step as an int, loss scale as a float; the others read device tensors
 
 
 @dataclass
@@ -51,22 +56,40 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
-    _op_name = "optimizer"
+    family: Family  # the kernel family's backends
+    hyperparams: type[Hyperparams]
     _device_hint = ""
+    _device_types = ("cpu", "cuda")  # the devices whose params it updates
 
-    def __init__(self, params, defaults: dict, *, fp32_optimizer_states: bool = True, master_weights: bool = False):
-        super().__init__(params, defaults)
+    def __init__(
+        self,
+        params,
+        hp: Hyperparams,
+        *,
+        fp32_optimizer_states: bool = True,
+        master_weights: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(params, {**hp.group_defaults(), "amsgrad": False})
         self.fp32_optimizer_states = fp32_optimizer_states
         self.master_weights = master_weights
+        self.force_backend = backend  # None: FASTZERO_BACKEND, else the fastest here
+        self.last_backend: str | None = None
+        self._checked: dict[int, tuple] = {}  # per group: the param set whose lists passed the full checks
 
-    # -- what subclasses provide ------------------------------------------------
-    def _check_group(self, gi: int, group: dict) -> None:
-        raise NotImplementedError
+    @property
+    def backend(self) -> str:
+        """The backend a step runs for the first param's device."""
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return "none" if first is None else self.family.choose(first.device.type, self.force_backend).backend
 
-    def _update(self, gi: int, group: dict, lists: GroupLists, step, grad_scale, found_inf) -> None:
-        """One step of one group on one device. ``step`` is the int (CPU) or
-        the device tensor (GPU) already advanced to this step's t."""
-        raise NotImplementedError
+    # -- what subclasses may provide --------------------------------------------
+    def _device_extra(self, gi: int, lists: GroupLists) -> dict:
+        """Extra arguments of the device backends (FusedLamb's trust-ratio tensor)."""
+        return {}
+
+    def _keep(self, gi: int, result) -> None:
+        """What to keep of a step's result (FusedLamb's trust ratios)."""
 
     # -- the step ---------------------------------------------------------------
     def _state_dtype(self, p: Tensor) -> torch.dtype:
@@ -94,7 +117,9 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
         if found_inf is not None and not isinstance(found_inf, Tensor):
             found_inf = torch.tensor(float(found_inf))
         for gi, group in enumerate(self.param_groups):
-            self._check_group(gi, group)
+            if group.get("amsgrad", False):
+                raise ValueError(f"param group {gi} sets amsgrad=True; {type(self).__name__} does not implement it")
+            hp = self.hyperparams.from_group(group)  # read every step: a scheduler may change lr
             lists = self._gather(gi, group)
             if lists is None:
                 continue
@@ -106,12 +131,66 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
             else:
                 step = self._device_step(group, lists.device)
                 step.add_(1)
-            self._update(gi, group, lists, step, grad_scale, found_inf)
+            self._update(gi, hp, lists, step, grad_scale, found_inf)
             if lists.device.type != "cpu" and found_inf is not None:
                 step.sub_((found_inf.to(step.device) != 0).to(torch.float32))  # NaN counts as set, as in the kernels
             for p, data in lists.staged:
                 p.detach().copy_(data)
         return loss
+
+    def _update(self, gi: int, hp: Hyperparams, lists: GroupLists, step, grad_scale, found_inf) -> None:
+        """One step of one group on one device, on the backend the family
+        picks. ``step`` is the int (CPU) or the device tensor (GPU) already
+        advanced to this step's t."""
+        self._check_lists(gi, lists)
+        backend = self.family.choose(lists.device.type, self.force_backend).backend
+        self.last_backend = backend
+        run = self.family.impl(backend)
+        tensors = (lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs)
+        if backend in HOST_BACKENDS:
+            if found_inf is not None and lists.device.type != "cpu" and bool(found_inf):
+                return  # the reference on a GPU: a host sync, the fallback's price
+            scale = None if grad_scale is None else float(grad_scale)
+            self._keep(gi, run(*tensors, step=int(step), hp=hp, grad_scale=scale, param_copies=lists.param_copies))
+            return
+        device = lists.device
+        run(
+            *tensors,
+            step=step if isinstance(step, Tensor) else torch.tensor(float(step), device=device),
+            hp=hp,
+            grad_scale=as_device_scalar(grad_scale, device),
+            found_inf=as_device_scalar(found_inf, device),
+            param_copies=lists.param_copies,
+            **self._device_extra(gi, lists),
+        )
+
+    def _check_lists(self, gi: int, lists: GroupLists) -> None:
+        """The full checks of every tensor the kernels touch, once per param
+        set: again whenever a param, its size or a state tensor is replaced
+        (a grad's size is compared every step; torch checks its shape only
+        when it is assigned)."""
+        key = tuple(
+            (id(p), p.numel(), g.numel(), id(m), id(v))
+            for p, g, m, v in zip(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs)
+        )
+        if self._checked.get(gi) == key:
+            return
+        if lists.device.type not in self._device_types:
+            raise ValueError(
+                f"param group {gi} is on {lists.device}; {type(self).__name__} updates "
+                f"{' and '.join(self._device_types)} tensors{self._device_hint}"
+            )
+        check_optimizer_lists(
+            type(self).__name__,
+            lists.params,
+            lists.grads,
+            lists.exp_avgs,
+            lists.exp_avg_sqs,
+            lists.param_copies,
+            device_type=lists.device.type,
+            hint=self._device_hint,
+        )
+        self._checked[gi] = key
 
     def _device_step(self, group: dict, device: torch.device) -> Tensor:
         step = group.get("step", 0)
@@ -173,6 +252,14 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
         data = p.detach().contiguous()
         lists.staged.append((p, data))
         return data
+
+    def init_state(self, p: Tensor) -> dict:
+        """The state of `p`, created now if it has none (zeros, and the fp32
+        master copy where master weights are kept), as a step would create it."""
+        state = self.state[p]
+        if not state:
+            self._init_state(p, state)
+        return state
 
     def _init_state(self, p: Tensor, state: dict) -> None:
         dtype = self._state_dtype(p)
@@ -237,3 +324,12 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
                 group["step"] = int(float(saved["step"]))
             elif steps[gi]:
                 group["step"] = int(max(steps[gi]))
+
+
+def as_device_scalar(x: float | Tensor | None, device: torch.device) -> Tensor | None:
+    """A 0-d fp32 tensor on `device` (a GradScaler's scale is one already)."""
+    if x is None:
+        return None
+    if isinstance(x, Tensor):
+        return x.to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(x), dtype=torch.float32, device=device)

@@ -1,6 +1,6 @@
 """Block-sparse attention with DeepSpeed's layouts: ``SparseAttention`` (an
 ``nn.Module`` with DeepSpeed's ``SparseSelfAttention`` signature) and the
-functional :func:`sparse_attention`.
+functional :func:`block_sparse_attention`.
 
 On CUDA tensors it runs the Triton block-sparse flash attention
 (``fastzero.triton_kernels.sparse_attention``: forward and backward, only the
@@ -8,48 +8,23 @@ kept blocks, never a seq x seq matrix). Without CUDA it computes the same
 function in plain PyTorch: dense masked attention for short sequences, a
 flash-style loop over query blocks that gathers only the kept key blocks beyond (memory
 O(seq) for a bounded number of kept blocks per row). The math's source of
-truth is :func:`dense_attention`.
+truth is :func:`fastzero.ops.sparse_attention.reference.dense_attention`.
+The backend is the family registry's choice (``backend=`` >
+``FASTZERO_BACKEND`` > the fastest here): ``triton`` or ``reference`` (the
+plain-PyTorch path above).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
+from fastzero.ops.sparse_attention.backends import FAMILY
+from fastzero.ops.sparse_attention.reference import dense_attention, expand_layout, softmax_rows
+
 DENSE_CPU_MAX_SEQ = 256  # the CPU path's dense form up to here (cheaper for short rows); blocked beyond
-
-
-def expand_layout(layout: Tensor, block: int, causal: bool) -> Tensor:
-    """The element mask [heads, seq, seq] (bool) a block layout keeps."""
-    mask = layout.to(torch.bool).repeat_interleave(block, 1).repeat_interleave(block, 2)
-    if causal:
-        mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
-    return mask
-
-
-def _softmax_rows(scores: Tensor) -> Tensor:
-    """Softmax over the last dim; rows with nothing kept give zeros, not NaN."""
-    top = scores.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    p = torch.exp(scores - top)
-    total = p.sum(-1, keepdim=True)
-    return p / torch.where(total == 0, torch.ones_like(total), total)
-
-
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float,
-                    additive: Tensor | None = None) -> Tensor:  # fmt: skip
-    """The reference: softmax(q k^T * scale + additive, masked to `keep`) v,
-    in q's dtype (tests pass fp64). `keep` broadcasts to [B, H, S, S]
-    (None: everything); `additive` too."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if additive is not None:
-        scores = scores + additive.to(scores.dtype)
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.matmul(_softmax_rows(scores), v)
 
 
 def _additive(batch: int, seq: int, kpm: Tensor | None, am: Tensor | None, device, dtype) -> Tensor | None:
@@ -111,7 +86,7 @@ class _BlockedAttention(torch.autograd.Function):
             if tile is None:
                 continue
             scores, _, _, vb = tile
-            out[:, :, i * block : (i + 1) * block] = torch.matmul(_softmax_rows(scores), vb)
+            out[:, :, i * block : (i + 1) * block] = torch.matmul(softmax_rows(scores), vb)
             row_lse = torch.logsumexp(scores, -1)
             lse[:, :, i * block : (i + 1) * block] = torch.where(torch.isfinite(row_lse), row_lse, float("inf"))
         ctx.save_for_backward(q, k, v, out, lse)
@@ -147,9 +122,20 @@ def _blocked_attention(q, k, v, layout, block, scale, causal, kpm, am) -> Tensor
 # and a registered backward: torch.compile traces around them without a graph
 # break, and autograd sees one op.
 @torch.library.custom_op("fastzero::block_sparse_attention", mutates_args=())
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, row_ptr: Tensor, cols: Tensor, col_ptr: Tensor, rows: Tensor,
-                  block: int, scale: float, causal: bool, kpm: Tensor | None,
-                  am: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    row_ptr: Tensor,
+    cols: Tensor,
+    col_ptr: Tensor,
+    rows: Tensor,
+    block: int,
+    scale: float,
+    causal: bool,
+    kpm: Tensor | None,
+    am: Tensor | None,
+) -> tuple[Tensor, Tensor]:
     from fastzero.triton_kernels import sparse_attention as kernels
 
     return kernels.forward(q, k, v, (row_ptr, cols, col_ptr, rows), block, scale, causal, kpm, am)
@@ -161,9 +147,23 @@ def _(q, k, v, row_ptr, cols, col_ptr, rows, block, scale, causal, kpm, am):
 
 
 @torch.library.custom_op("fastzero::block_sparse_attention_backward", mutates_args=())
-def _attention_backward_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, row_ptr: Tensor,
-                           cols: Tensor, col_ptr: Tensor, rows: Tensor, block: int, scale: float, causal: bool,
-                           kpm: Tensor | None, am: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _attention_backward_op(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    row_ptr: Tensor,
+    cols: Tensor,
+    col_ptr: Tensor,
+    rows: Tensor,
+    block: int,
+    scale: float,
+    causal: bool,
+    kpm: Tensor | None,
+    am: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     from fastzero.triton_kernels import sparse_attention as kernels
 
     return kernels.backward(do, q, k, v, out, lse, (row_ptr, cols, col_ptr, rows), block, scale, causal, kpm, am)
@@ -198,27 +198,12 @@ def _make_lists(layout: Tensor) -> tuple:
     return kernels.csr(layout)
 
 
-def _backend(q: Tensor, force: str | None) -> str:
-    force = force or os.environ.get("FASTZERO_BACKEND") or None
-    if force not in (None, "triton", "reference", "cuda", "cpu"):
-        raise ValueError(f"backend={force!r}: 'triton' or 'reference'")
-    if force == "reference" or force == "cpu":
-        return "reference"
-    if q.is_cuda or force == "triton":
-        from fastzero.ops.backend import triton_status
-
-        ok, why = triton_status(q.device.type)
-        if ok:
-            return "triton"
-        if force == "triton":
-            raise RuntimeError(f"backend 'triton' for SparseAttention: {why}")
-    return "reference"
-
-
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int) -> None:
     if not (q.dim() == k.dim() == v.dim() == 4):
-        raise ValueError(f"query, key, value must be [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+        raise ValueError(
+            f"query, key, value must be [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"query, key and value shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -230,14 +215,26 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int) ->
     heads, seq = q.shape[1], q.shape[2]
     nb = seq // block
     if layout.shape != (heads, nb, nb):
-        raise ValueError(f"layout {tuple(layout.shape)} does not fit {heads} heads and seq {seq} in blocks of "
-                         f"{block}: expected ({heads}, {nb}, {nb})")  # fmt: skip
+        raise ValueError(
+            f"layout {tuple(layout.shape)} does not fit {heads} heads and seq {seq} in blocks of "
+            f"{block}: expected ({heads}, {nb}, {nb})"
+        )
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int, *, causal: bool = False,
-                     softmax_scale: float | None = None, key_padding_mask: Tensor | None = None,
-                     attn_mask: Tensor | None = None, backend: str | None = None,
-                     lists: tuple | None = None) -> Tensor:  # fmt: skip
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: Tensor,
+    block: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    backend: str | None = None,
+    lists: tuple | None = None,
+) -> Tensor:
     """Block-sparse attention over q, k, v [B, H, S, D] with S a multiple of
     `block`. Masks are additive: `key_padding_mask` [B, S], `attn_mask`
     [S, S] or [H, S, S] (relative position terms go there too). `causal`
@@ -249,10 +246,12 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, bloc
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     kpm = None if key_padding_mask is None else key_padding_mask.to(torch.float32).contiguous()
     am = None if attn_mask is None else attn_mask.to(torch.float32).contiguous()
-    if _backend(q, backend) == "triton":
+    if FAMILY.choose(q.device.type, backend).backend == "triton":
         if block not in (16, 32, 64, 128) or q.shape[-1] not in (16, 32, 64, 128):
-            raise ValueError(f"the Triton kernel takes blocks 16-128 and head dims 16-128 (powers of two); "
-                             f"got block {block}, head_dim {q.shape[-1]}")  # fmt: skip
+            raise ValueError(
+                f"the Triton kernel takes blocks 16-128 and head dims 16-128 (powers of two); "
+                f"got block {block}, head_dim {q.shape[-1]}"
+            )
         lists = lists if lists is not None else _make_lists(layout.to(q.device))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return _attention_op(q, k, v, *lists, block, scale, causal, kpm, am)[0]
@@ -274,7 +273,7 @@ def _as_additive(mask: Tensor, mode: str, what: str) -> Tensor:
 
 class SparseAttention(torch.nn.Module):
     """DeepSpeed's ``SparseSelfAttention``: block-sparse attention with the
-    layout of `sparsity_config` (a ``fastzero.ops.sparsity_config`` config).
+    layout of `sparsity_config` (a ``fastzero.ops.sparse_attention.sparsity_config`` config).
 
     ``forward(query, key, value, rpe=None, key_padding_mask=None,
     attn_mask=None)`` with q, k, v [batch, heads, seq, head_dim]; seq up to
@@ -285,9 +284,15 @@ class SparseAttention(torch.nn.Module):
     scale is `softmax_scale` (default 1/sqrt(head_dim)).
     """
 
-    def __init__(self, sparsity_config, key_padding_mask_mode: str = "add", attn_mask_mode: str = "mul",
-                 max_seq_length: int = 2048, softmax_scale: float | None = None,
-                 backend: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sparsity_config,
+        key_padding_mask_mode: str = "add",
+        attn_mask_mode: str = "mul",
+        max_seq_length: int = 2048,
+        softmax_scale: float | None = None,
+        backend: str | None = None,
+    ) -> None:
         super().__init__()
         for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
             if mode not in ("add", "mul"):
@@ -295,7 +300,9 @@ class SparseAttention(torch.nn.Module):
         self.sparsity_config = sparsity_config
         self.key_padding_mask_mode, self.attn_mask_mode = key_padding_mask_mode, attn_mask_mode
         self.max_seq_length = max_seq_length
-        self.softmax_scale, self.backend = softmax_scale, backend
+        self.softmax_scale = softmax_scale
+        self.force_backend = backend  # backend= > FASTZERO_BACKEND > the fastest (fastzero.ops.backend)
+        self.last_backend: str | None = None  # which ran the last forward
         block = sparsity_config.block
         padded = -(-max_seq_length // block) * block
         # DeepSpeed's way: one master layout at the longest length, sliced for shorter ones
@@ -303,7 +310,8 @@ class SparseAttention(torch.nn.Module):
         self._lists: dict[tuple, tuple] = {}  # (seq, device) -> the Triton path's block lists, made once
 
     def _block_lists(self, seq: int, device: torch.device) -> tuple | None:
-        if device.type != "cuda" and self.backend != "triton":
+        self.last_backend = FAMILY.choose(device.type, self.force_backend).backend
+        if self.last_backend != "triton":
             return None
         key = (seq, str(device))
         if key not in self._lists:
@@ -318,16 +326,25 @@ class SparseAttention(torch.nn.Module):
         nb = seq // self.sparsity_config.block
         return self.master_layout[:, :nb, :nb]
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, rpe: Tensor | None = None,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        rpe: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
         if query.dim() != 4:
             raise ValueError(f"query must be [batch, heads, seq, head_dim]; got {tuple(query.shape)}")
         batch, heads, seq, _ = query.shape
         if heads != self.sparsity_config.num_heads:
             raise ValueError(f"query has {heads} heads, the sparsity config {self.sparsity_config.num_heads}")
         if seq > self.max_seq_length:
-            raise ValueError(f"seq {seq} is longer than max_seq_length {self.max_seq_length}; build SparseAttention "
-                             "with a larger max_seq_length")  # fmt: skip
+            raise ValueError(
+                f"seq {seq} is longer than max_seq_length {self.max_seq_length}; build SparseAttention "
+                "with a larger max_seq_length"
+            )
         block = self.sparsity_config.block
         pad = -seq % block
         kpm = None
@@ -352,14 +369,32 @@ class SparseAttention(torch.nn.Module):
                 am = torch.nn.functional.pad(am, (0, pad, 0, pad))
         layout = self.get_layout(seq + pad)
         lists = self._block_lists(seq + pad, query.device)
-        out = block_sparse_attention(query, key, value, layout, block, causal=self.causal,
-                                     softmax_scale=self.softmax_scale, key_padding_mask=kpm, attn_mask=am,
-                                     backend=self.backend, lists=lists)  # fmt: skip
+        out = block_sparse_attention(
+            query,
+            key,
+            value,
+            layout,
+            block,
+            causal=self.causal,
+            softmax_scale=self.softmax_scale,
+            key_padding_mask=kpm,
+            attn_mask=am,
+            backend=self.force_backend,
+            lists=lists,
+        )
         return out[:, :, :seq] if pad else out
 
 
-def pad_to_block_size(block_size: int, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                      inputs_embeds=None, pad_token_id: int = 0, model_embeddings=None):  # fmt: skip
+def pad_to_block_size(
+    block_size: int,
+    input_ids=None,
+    attention_mask=None,
+    token_type_ids=None,
+    position_ids=None,
+    inputs_embeds=None,
+    pad_token_id: int = 0,
+    model_embeddings=None,
+):
     """DeepSpeed's ``SparseAttentionUtils.pad_to_block_size``: pads a model's
     inputs at the end of the sequence to a multiple of `block_size`. Returns
     (pad_len, input_ids, attention_mask, token_type_ids, position_ids,

@@ -1,9 +1,14 @@
+"""Adam/AdamW in plain PyTorch: the math every Adam backend is tested
+against, and the fallback where no faster backend runs."""
+
 from __future__ import annotations
 
 import math
 
 import torch
 from torch import Tensor
+
+from fastzero.ops.adam.hyperparams import AdamHyperparams
 
 
 @torch.no_grad()
@@ -14,17 +19,13 @@ def adam_step(
     exp_avg_sqs: list[Tensor],
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float = 0.0,
-    bias_correction: bool = True,
-    adamw_mode: bool = True,
+    hp: AdamHyperparams | None = None,
     grad_scale: float | None = None,
     param_copies: list[Tensor] | None = None,
+    **hyper,
 ) -> None:
     r"""One Adam/AdamW step, in fp32 whatever the storage dtypes, in place.
+    The hyperparameters are ``hp`` or keywords (``lr=``, ``beta1=``, ...).
 
     .. math::
         g &\leftarrow g / s \qquad (s = \text{grad\_scale}, 1 \text{ if None}) \\
@@ -37,13 +38,15 @@ def adam_step(
 
     ``param_copies`` (optional) receive the updated params in their own dtype.
     """
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    h = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
+    lr, beta1, beta2, eps, weight_decay = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
+    bc1 = 1.0 - beta1**step if h.bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if h.bias_correction else 1.0
     copies = param_copies if param_copies is not None else [None] * len(params)
     for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
         g32 = g.float() if grad_scale is None else g.float() / grad_scale
         p32 = p.float().clone()
-        if adamw_mode:
+        if h.adamw_mode:
             p32.mul_(1.0 - lr * weight_decay)
         else:
             g32 = g32 + weight_decay * p32

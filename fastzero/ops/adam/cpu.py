@@ -1,0 +1,99 @@
+"""The CPU backend of Adam: the SIMD kernels of csrc/cpu (adam.cpp), one
+multi-tensor pass over memory per dtype combination."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from fastzero.native import DTYPE_CODES, ISA_NAMES, NO_DTYPE, cpu_isa, cpu_ops
+from fastzero.ops.adam.backends import FAMILY
+from fastzero.ops.adam.hyperparams import AdamHyperparams
+from fastzero.ops.host_step import host_step
+from fastzero.ops.marshal import dtype_groups
+
+_GPU_HINT = "; for GPU parameters use fastzero.ops.FusedAdam"
+
+
+def launch(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: int,
+    hp: AdamHyperparams,
+    grad_scale: float | None = None,
+    param_copies: list[Tensor] | None = None,
+) -> str:
+    """Runs lists that were checked (fastzero.checks.check_optimizer_lists):
+    one native call per dtype combination. Returns ``"cpu:<isa>"``."""
+    ops, isa = cpu_ops(), cpu_isa()
+    bc1 = 1.0 - hp.beta1**step if hp.bias_correction else 1.0
+    bc2 = 1.0 - hp.beta2**step if hp.bias_correction else 1.0
+    threads = torch.get_num_threads()
+    for (p_dtype, g_dtype, s_dtype, c_dtype), idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
+        ops.adam(
+            ISA_NAMES.index(isa),
+            [params[i].data_ptr() for i in idx],
+            [grads[i].data_ptr() for i in idx],
+            [exp_avgs[i].data_ptr() for i in idx],
+            [exp_avg_sqs[i].data_ptr() for i in idx],
+            [] if c_dtype is None else [param_copies[i].data_ptr() for i in idx],
+            [params[i].numel() for i in idx],
+            DTYPE_CODES[p_dtype],
+            DTYPE_CODES[g_dtype],
+            DTYPE_CODES[s_dtype],
+            DTYPE_CODES.get(c_dtype, NO_DTYPE),
+            hp.beta1,
+            hp.beta2,
+            hp.eps,
+            hp.lr / bc1,  # step_size
+            1.0 / math.sqrt(bc2),  # bc2_rsqrt
+            1.0 - hp.lr * hp.weight_decay if hp.adamw_mode else 1.0,  # decay
+            0.0 if hp.adamw_mode else hp.weight_decay,  # l2
+            1.0 if grad_scale is None else 1.0 / grad_scale,
+            threads,
+        )
+    return f"cpu:{isa}"
+
+
+def cpu_adam_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: int,
+    hp: AdamHyperparams | None = None,
+    grad_scale: float | None = None,
+    param_copies: list[Tensor] | None = None,
+    backend: str | None = None,
+    **hyper,
+) -> str:
+    """One Adam/AdamW step over lists of CPU tensors, in one pass over memory.
+
+    The math is :func:`fastzero.ops.adam.reference.adam_step`'s; the
+    hyperparameters are ``hp`` (an :class:`AdamHyperparams`) or its fields as
+    keywords (``lr=``, ``beta1=``, ...). Params are fp32, bf16 or fp16; grads
+    any of these; exp_avg/exp_avg_sq fp32 or the param's dtype; all
+    contiguous. ``grad_scale`` divides the grads inside the kernel (fused
+    unscale). ``param_copies`` (fp32 params only): bf16/fp16 tensors that
+    receive the updated params in the same pass. Returns the backend that
+    ran: ``"cpu:<isa>"`` or ``"reference"``.
+    """
+    hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
+    which, result = host_step(
+        FAMILY,
+        "cpu_adam_step",
+        (params, grads, exp_avgs, exp_avg_sqs),
+        step=step,
+        hp=hp,
+        grad_scale=grad_scale,
+        param_copies=param_copies,
+        backend=backend,
+        hint=_GPU_HINT,
+    )
+    return result if which == "cpu" else "reference"

@@ -1,0 +1,84 @@
+"""The CUDA backend of Adam (csrc/cuda/multi_tensor_adam.cu): one pass over
+memory per dtype combination, per-step scalars read on the device."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastzero.checks import check_device_step
+from fastzero.native import check_rc, cuda_lib
+from fastzero.ops.adam.hyperparams import AdamHyperparams
+from fastzero.ops.marshal import dtype_codes, dtype_groups, numels, pointers, ptr, stream
+
+_CPU_HINT = "; for CPU tensors use fastzero.ops.CPUAdam (or cpu_adam_step), or FusedAdam, which takes its CPU path"
+
+
+def adam_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: Tensor,
+    hp: AdamHyperparams | None = None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    param_copies: list[Tensor] | None = None,
+    **hyper,
+) -> None:
+    r"""One Adam/AdamW step over lists of CUDA tensors:
+    :func:`fastzero.ops.adam.reference.adam_step`'s math in fp32 whatever the
+    storage dtypes. Params fp32/bf16/fp16; grads any of these; states fp32 or
+    the param's dtype; ``param_copies`` (fp32 params only) bf16/fp16 tensors
+    written in the same pass. ``step`` is a 0-d float32 tensor on the params'
+    device holding t >= 1; ``grad_scale`` (grads are divided by it) and
+    ``found_inf`` (nonzero: nothing changes) likewise, or None. The work is
+    enqueued on the current CUDA stream; nothing waits for it.
+    """
+    hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
+    scalars = {"step": step, "grad_scale": grad_scale, "found_inf": found_inf}
+    check_device_step("adam_step", params, grads, exp_avgs, exp_avg_sqs, param_copies, scalars, hint=_CPU_HINT)
+    launch(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        step=step,
+        hp=hp,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        param_copies=param_copies,
+    )
+
+
+def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, found_inf=None, param_copies=None):
+    """:func:`adam_step` on lists that were checked."""
+    if not params:
+        return
+    device = params[0].device
+    lib = cuda_lib("adam_step")
+    with torch.cuda.device(device):
+        for key, idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
+            rc = lib.fz_cuda_adam(
+                pointers(params, idx),
+                pointers(grads, idx),
+                pointers(exp_avgs, idx),
+                pointers(exp_avg_sqs, idx),
+                None if param_copies is None else pointers(param_copies, idx),
+                numels(params, idx),
+                len(idx),
+                *dtype_codes(key),
+                step.data_ptr(),
+                hp.lr,
+                hp.beta1,
+                hp.beta2,
+                hp.eps,
+                hp.weight_decay,
+                int(hp.bias_correction),
+                int(hp.adamw_mode),
+                ptr(grad_scale),
+                ptr(found_inf),
+                stream(device),
+            )
+            check_rc(lib, rc, "adam_step")

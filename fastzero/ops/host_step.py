@@ -1,0 +1,34 @@
+"""The functional optimizer steps on CPU tensors (``cpu_adam_step``,
+``cpu_lamb_step``): checks, then the family's cpu or reference backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from fastzero.checks import check_grad_scale, check_optimizer_lists, check_step
+from fastzero.ops.backend import Family
+from fastzero.ops.hyperparams import Hyperparams
+
+
+def host_step(
+    family: Family,
+    op: str,
+    tensors: tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]],
+    *,
+    step: int,
+    hp: Hyperparams,
+    grad_scale: float | None,
+    param_copies: list[Tensor] | None,
+    backend: str | None,
+    hint: str = "",
+) -> tuple[str, Any]:
+    """(the backend that ran, its result) of one step over checked lists."""
+    check_optimizer_lists(op, *tensors, param_copies, hint=hint)
+    check_grad_scale(grad_scale)
+    check_step(op, step)
+    which = family.choose("cpu", backend).backend
+    if which not in ("cpu", "reference"):
+        raise ValueError(f"{op} runs the cpu or reference backend, not {which!r}; use the optimizer class for others")
+    return which, family.impl(which)(*tensors, step=step, hp=hp, grad_scale=grad_scale, param_copies=param_copies)

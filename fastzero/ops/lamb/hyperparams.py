@@ -1,0 +1,41 @@
+"""LAMB's hyperparameters (DeepSpeed's FusedLamb): the one list every LAMB
+backend, the reference and FusedLamb take (see fastzero.ops.hyperparams)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastzero.ops.hyperparams import Hyperparams, check_range
+
+
+@dataclass(frozen=True)
+class LambHyperparams(Hyperparams):
+    """``max_grad_norm`` > 0 clips the global grad norm first (0: off); the
+    trust ratio is clamped to [min_coeff, max_coeff]. The C struct is
+    ``fz_lamb_hyper``."""
+
+    family = "LAMB"
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    eps_inside_sqrt: bool = False
+    weight_decay: float = 0.0
+    bias_correction: bool = True
+    max_grad_norm: float = 0.0
+    max_coeff: float = 10.0
+    min_coeff: float = 0.01
+
+    def validate(self) -> None:
+        check_range(self.family, self.labels["lr"], self.lr, 0.0)
+        check_range(self.family, "beta1", self.beta1, 0.0, 1.0, open_high=True)
+        check_range(self.family, "beta2", self.beta2, 0.0, 1.0, open_high=True)
+        check_range(self.family, "eps", self.eps, 0.0)
+        check_range(self.family, "weight_decay", self.weight_decay, 0.0)
+        check_range(self.family, "max_grad_norm (0 disables clipping)", self.max_grad_norm, 0.0)
+        if not 0.0 <= self.min_coeff <= self.max_coeff:
+            raise ValueError(
+                f"LAMB: invalid trust ratio bounds: need 0 <= min_coeff ({self.min_coeff}) <= "
+                f"max_coeff ({self.max_coeff})"
+            )
