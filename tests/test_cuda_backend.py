@@ -86,6 +86,13 @@ def test_library_exports_exactly_the_c_abi(cuda_library):
     assert exported == set(abi.CUDA_SIGNATURES)  # no cudart or C++ runtime symbol leaks out
 
 
+def test_link_leaves_nothing_beside_the_library(cuda_library):
+    """The linker's version script stays in a temporary folder (an in-place
+    install links into the source tree)."""
+    path, _ = cuda_library
+    assert [p.name for p in path.parent.iterdir()] == [build.CUDA_LIBRARY]
+
+
 def test_library_needs_no_cudart_at_load_time(cuda_library):
     path, _ = cuda_library
     ldd = shutil.which("ldd")

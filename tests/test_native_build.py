@@ -1,10 +1,12 @@
 """How the native kernels are found: the install-time build, the
 just-in-time build, and the reference fallback with one warning."""
 
+import ast
 import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,32 @@ def test_native_code_includes_no_pytorch_header():
     for path in src.iterdir():
         text = path.read_text()
         assert "torch/" not in text and "ATen" not in text and "c10/" not in text, path
+
+
+def test_native_layer_imports_nothing_above_it():
+    """fastzero.native is the lowest layer: of fastzero, it imports only itself."""
+    for path in (Path(REPO) / "fastzero" / "native").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else ["fastzero.native"]
+            for name in names:
+                if name == "fastzero" or name.startswith("fastzero."):
+                    assert name.startswith("fastzero.native"), f"{path.name} imports {name}"
+
+
+def test_build_script_needs_neither_fastzero_nor_torch():
+    """setup.py runs fastzero/native/build.py by path where fastzero and torch
+    cannot be imported."""
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['torch'] = sys.modules['fastzero'] = None  # any import of them fails\n"
+        "ns = runpy.run_path('fastzero/native/build.py')\n"
+        "print(ns['CPU_MODULE'], ns['CUDA_LIBRARY'], ns['cpu_source_dir']().name, ns['cuda_source_dir']().name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["_cpu_ops", "libfastzero_cuda.so", "cpu", "cuda"]
 
 
 def test_report_lists_every_backend():

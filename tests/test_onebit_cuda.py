@@ -43,9 +43,7 @@ def onebit_lib(tmp_path_factory):
     nvcc = _nvcc_or_skip()
     out = tmp_path_factory.mktemp("onebit-lib")
     src = build.cuda_source_dir()
-    objects = [
-        build.compile_source(src / n, out / f"{n}.o", ("90",), nvcc=nvcc) for n in ("common.cu", "onebit.cu")
-    ]
+    objects = [build.compile_source(src / n, out / f"{n}.o", ("90",), nvcc=nvcc) for n in ("common.cu", "onebit.cu")]
     lib = ctypes.CDLL(str(build.link(objects, out / build.CUDA_LIBRARY, nvcc)))
     for name in _ONEBIT_FUNCTIONS:
         fn = getattr(lib, name)

@@ -15,14 +15,7 @@
 namespace fz {
 
 AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy) {
-  switch (isa) {
-#ifdef FZ_HAVE_X86_SIMD
-    case kAvx512: return avx512::adam_pick(p, g, s, copy);
-    case kAvx2: return avx2::adam_pick(p, g, s, copy);
-#endif
-    case kScalar: return scalar::adam_pick(p, g, s, copy);
-    default: return nullptr;
-  }
+  return FZ_ISA_PICK(isa, adam_pick(p, g, s, copy));
 }
 
 void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
@@ -30,8 +23,8 @@ void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
                        const std::vector<int64_t>& numel, int p_dtype, int g_dtype,
                        int s_dtype, int c_dtype, const AdamHyper& h, int num_threads) {
-  const int64_t ps = p_dtype == kF32 ? 4 : 2, gs = g_dtype == kF32 ? 4 : 2,
-                ss = s_dtype == kF32 ? 4 : 2, cs = c_dtype == kF32 ? 4 : 2;
+  const int64_t ps = dtype_size(p_dtype), gs = dtype_size(g_dtype), ss = dtype_size(s_dtype),
+                cs = dtype_size(c_dtype);
   for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t n) {
     char* c = copy.empty() ? nullptr : reinterpret_cast<char*>(copy[t]) + off * cs;
     fn(reinterpret_cast<char*>(p[t]) + off * ps, reinterpret_cast<const char*>(g[t]) + off * gs,

@@ -8,10 +8,15 @@
 
 namespace fz {
 
-// Dtype codes shared with Python (fastzero/ops/_native.py keeps the same table).
+// Dtype codes shared with Python (fastzero/native/abi.py: DTYPE_CODES,
+// NO_DTYPE; tests/test_native_abi.py checks they agree).
 enum DType : int { kNone = -1, kF32 = 0, kF16 = 1, kBF16 = 2 };
 
-// Instruction sets, best last. Python passes one of these as an int.
+// Bytes per element of a dtype code; 0 for kNone (an absent stream).
+constexpr int64_t dtype_size(int d) { return d == kF32 ? 4 : (d == kNone ? 0 : 2); }
+
+// Instruction sets, best last. Python passes one of these as an int
+// (fastzero/native/abi.py: ISA_NAMES, indexed by code).
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // Best instruction set this CPU and OS support (CPUID plus XGETBV, via libgcc).

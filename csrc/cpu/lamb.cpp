@@ -13,28 +13,14 @@
 #include "isa_regions.inc"
 
 namespace fz {
-namespace {
-
-// The kernel of this ISA, picked by the per-ISA pick_kernel / grad_sumsq_pick.
-#ifdef FZ_HAVE_X86_SIMD
-#define FZ_PICK(isa, expr)                                        \
-  ((isa) == kAvx512 ? avx512::expr : (isa) == kAvx2 ? avx2::expr \
-                                                    : scalar::expr)
-#else
-#define FZ_PICK(isa, expr) scalar::expr
-#endif
-
-int64_t size_of(int dtype) { return dtype == kF32 ? 4 : 2; }
-
-}  // namespace
 
 double lamb_grad_sumsq(Isa isa, const std::vector<uintptr_t>& g, const std::vector<int64_t>& numel,
                        int g_dtype, float grad_mult, int num_threads) {
-  const auto fn = FZ_PICK(isa, grad_sumsq_pick(g_dtype));
+  const auto fn = FZ_ISA_PICK(isa, grad_sumsq_pick(g_dtype));
   if (fn == nullptr) return NAN;
   const std::vector<Chunk> chunks = make_chunks(numel);
   std::vector<double> partial(chunks.size(), 0.0);
-  const int64_t gs = size_of(g_dtype);
+  const int64_t gs = dtype_size(g_dtype);
   parallel_chunks(chunks, num_threads, [&](int64_t i) {
     const Chunk& c = chunks[i];
     partial[i] = fn(reinterpret_cast<const char*>(g[c.tensor]) + c.offset * gs, c.count, grad_mult);
@@ -48,11 +34,11 @@ bool lamb_norms(Isa isa, const std::vector<uintptr_t>& p, const std::vector<uint
                 const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
                 const std::vector<int64_t>& numel, int p_dtype, int g_dtype, int s_dtype,
                 const LambHyper& h, int num_threads, std::vector<double>* sums) {
-  const auto fn = FZ_PICK(isa, lamb_norms_pick(p_dtype, g_dtype, s_dtype));
+  const auto fn = FZ_ISA_PICK(isa, lamb_norms_pick(p_dtype, g_dtype, s_dtype));
   if (fn == nullptr) return false;
   const std::vector<Chunk> chunks = make_chunks(numel);
   std::vector<double> partial(2 * chunks.size(), 0.0);
-  const int64_t ps = size_of(p_dtype), gs = size_of(g_dtype), ss = size_of(s_dtype);
+  const int64_t ps = dtype_size(p_dtype), gs = dtype_size(g_dtype), ss = dtype_size(s_dtype);
   parallel_chunks(chunks, num_threads, [&](int64_t i) {
     const Chunk& c = chunks[i];
     fn(reinterpret_cast<const char*>(p[c.tensor]) + c.offset * ps,
@@ -72,9 +58,9 @@ bool lamb_apply(Isa isa, const std::vector<uintptr_t>& p, const std::vector<uint
                 const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
                 const std::vector<int64_t>& numel, int p_dtype, int s_dtype, int c_dtype,
                 const LambHyper& h, const std::vector<float>& scale, int num_threads) {
-  const auto fn = FZ_PICK(isa, lamb_apply_pick(p_dtype, s_dtype, c_dtype));
+  const auto fn = FZ_ISA_PICK(isa, lamb_apply_pick(p_dtype, s_dtype, c_dtype));
   if (fn == nullptr) return false;
-  const int64_t ps = size_of(p_dtype), ss = size_of(s_dtype), cs = c_dtype == kNone ? 0 : size_of(c_dtype);
+  const int64_t ps = dtype_size(p_dtype), ss = dtype_size(s_dtype), cs = dtype_size(c_dtype);
   for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t n) {
     char* c = copy.empty() ? nullptr : reinterpret_cast<char*>(copy[t]) + off * cs;
     fn(reinterpret_cast<char*>(p[t]) + off * ps, reinterpret_cast<const char*>(m[t]) + off * ss,

@@ -14,31 +14,14 @@
 #include "isa_regions.inc"
 
 namespace fz {
-namespace {
-
-#ifdef FZ_HAVE_X86_SIMD
-#define FZ_PICK_CALL(isa, expr) ((isa) == kAvx512 ? avx512::expr : (isa) == kAvx2 ? avx2::expr : scalar::expr)
-#else
-#define FZ_PICK_CALL(isa, expr) (scalar::expr)
-#endif
-
-bool known_isa(Isa isa) {
-#ifdef FZ_HAVE_X86_SIMD
-  return isa == kScalar || isa == kAvx2 || isa == kAvx512;
-#else
-  return isa == kScalar;
-#endif
-}
-
-}  // namespace
 
 bool onebit_pack(Isa isa, const void* x, int x_dtype, float* error, uint8_t* bits, float* scales,
                  int64_t numel, int64_t chunks, int num_threads) {
-  if (!known_isa(isa) || chunks < 1 || numel % (8 * chunks) != 0) return false;
-  const auto sumsq = FZ_PICK_CALL(isa, pick_sumsq(x_dtype));
-  const auto signs = FZ_PICK_CALL(isa, pick_signs(x_dtype));
+  if (chunks < 1 || numel % (8 * chunks) != 0) return false;
+  const auto sumsq = FZ_ISA_PICK(isa, pick_sumsq(x_dtype));
+  const auto signs = FZ_ISA_PICK(isa, pick_signs(x_dtype));
   if (sumsq == nullptr || signs == nullptr) return false;
-  const int64_t len = numel / chunks, xs = x_dtype == kF32 ? 4 : 2;
+  const int64_t len = numel / chunks, xs = dtype_size(x_dtype);
   // Segments never cross a chunk and start at multiples of kChunkElements
   // within it, so each one writes whole bytes of bits.
   const std::vector<Chunk> segs = make_chunks(std::vector<int64_t>(size_t(chunks), len));
@@ -71,16 +54,18 @@ bool streamable(const float* out, int64_t total, int64_t len) {
 
 bool onebit_unpack(Isa isa, const uint8_t* bits, const float* scales, float* out, int64_t rows,
                    int64_t row_bytes, bool average, int num_threads) {
-  if (!known_isa(isa) || rows < 1 || row_bytes < 0) return false;
+  if (rows < 1 || row_bytes < 0) return false;
   const int64_t len = 8 * row_bytes;
   const bool nt = streamable(out, average ? len : rows * len, len);
   if (average) {
-    const auto fn = FZ_PICK_CALL(isa, pick_average(nt));
+    const auto fn = FZ_ISA_PICK(isa, pick_average(nt));
+    if (fn == nullptr) return false;
     for_each_segment({len}, num_threads, [&](size_t, int64_t off, int64_t n) {
       fn(bits + off / 8, row_bytes, scales, rows, out + off, n);
     });
   } else {
-    const auto fn = FZ_PICK_CALL(isa, pick_scale_signs(nt));
+    const auto fn = FZ_ISA_PICK(isa, pick_scale_signs(nt));
+    if (fn == nullptr) return false;
     for_each_segment(std::vector<int64_t>(size_t(rows), len), num_threads, [&](size_t r, int64_t off, int64_t n) {
       fn(bits + int64_t(r) * row_bytes + off / 8, scales[r], out + int64_t(r) * len + off, n);
     });

@@ -25,7 +25,7 @@
 
 namespace fz {
 
-// Dtype codes shared with Python and csrc/cpu/common.h.
+// Dtype codes shared with Python (fastzero/native/abi.py) and csrc/cpu/common.h.
 enum DType : int { kNone = -1, kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // ATen's fused-Adam numbers: 512 threads per block and 64 Ki elements per

@@ -1,5 +1,5 @@
 /* The C ABI of fastzero's CUDA kernels (libfastzero_cuda.so), loaded by
- * fastzero/ops/cuda.py with ctypes. No PyTorch here (DESIGN.md rule 2): raw
+ * fastzero/native/loader.py with ctypes (signatures: fastzero/native/abi.py). No PyTorch here (DESIGN.md rule 2): raw
  * device pointers, element counts, dtype codes and a cudaStream_t passed as
  * void*.
  *
