@@ -9,8 +9,8 @@ import torch
 
 import fastzero
 from fastzero.checkpoint import consolidate
-from fastzero.runtime import checkpoint as ckpt
-from fastzero.runtime.checkpoint import CheckpointError
+from fastzero.runtime import checkpoint_io as ckpt
+from fastzero.runtime.checkpoint_io import CheckpointError
 from tests.test_engine_single import batches, cfg
 from tests.test_zero_engine import assert_params, reference, train
 from tests.workers.train_zero import make_model

@@ -1,6 +1,8 @@
 """The training engine ``fastzero.initialize`` returns: DeepSpeed's engine API
 (``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``,
-``save_checkpoint``/``load_checkpoint``) over ZeRO stages 0-2.
+``save_checkpoint``/``load_checkpoint``) over ZeRO stages 0-3 (stages 0-2:
+:class:`~fastzero.runtime.partition.FlatGroup`; stage 3:
+:class:`~fastzero.runtime.stage3.Stage3Group`).
 
 The engine is thin: the layout and collectives are :mod:`fastzero.comm`'s,
 the update is a fused optimizer's (one pass: unscale by the loss scale, the
@@ -28,7 +30,7 @@ from fastzero.ops import OneBitAdam
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
-from fastzero.runtime.optimizer import build_optimizer
+from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
 from fastzero.runtime.stage3 import ParamFetcher, Stage3Group
 
@@ -382,13 +384,13 @@ class Engine:
         yield
 
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
-        from fastzero.runtime.checkpoint import save_checkpoint
+        from fastzero.runtime.checkpoint_io import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):  # fmt: skip
-        from fastzero.runtime.checkpoint import load_checkpoint
+        from fastzero.runtime.checkpoint_io import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
