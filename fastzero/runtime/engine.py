@@ -26,10 +26,10 @@ from torch import Tensor
 
 from fastzero.comm import Comm, dist_env, init_distributed
 from fastzero.config import Config, ConfigError, load_config
-from fastzero.ops import OneBitAdam
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
+from fastzero.runtime.onebit_adam import OneBitAdam
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
 from fastzero.runtime.stage3 import ParamFetcher, Stage3Group
@@ -103,8 +103,7 @@ class Engine:
                                          master_weights=self.dtype != torch.float32)  # fmt: skip
         self.onebit = isinstance(self.optimizer, OneBitAdam)
         if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
-            self.optimizer.managed, self.optimizer.comm = True, self.comm
-            self.optimizer.exchange_momentum = self.stage == 0
+            self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = loss_scaler_from_config(cfg.fp16) if cfg.fp16.enabled else None
         self._hooks = [

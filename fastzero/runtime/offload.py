@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from fastzero.ops.cpu_adam import CPUAdam, cpu_adam_step
+from fastzero.ops import CPUAdam, cpu_adam_step
 
 CHUNK = 1 << 22  # at most this many elements per pipelined piece (16 MiB of fp32 master)
 MIN_CHUNK = 1 << 16  # at least this many: each piece is one kernel call, and a call has a fixed cost

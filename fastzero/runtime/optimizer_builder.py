@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from fastzero.config import Config, ConfigError, ConfigNotSupported
-from fastzero.ops import CPUAdam, FusedAdam, FusedLamb, OneBitAdam
+from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
 from fastzero.runtime.offload import OffloadedAdam
+from fastzero.runtime.onebit_adam import OneBitAdam
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
 _LAMB_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_grad_norm", "max_coeff", "min_coeff",

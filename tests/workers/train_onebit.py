@@ -17,7 +17,7 @@ import torch
 
 import fastzero
 from fastzero.comm import Comm, init_distributed
-from fastzero.ops import OneBitAdam
+from fastzero.runtime.onebit_adam import OneBitAdam
 
 MICRO, DIM, OUT = 8, 32, 8
 
@@ -65,8 +65,9 @@ def train(run: dict) -> None:
     if run.get("standalone"):
         init_distributed()
         comm = Comm()
+        # the same Comm, so its record shows the optimizer's collectives
         opt = OneBitAdam(model.parameters(), lr=run.get("lr", 3e-3), freeze_step=run.get("freeze", 20),
-                         weight_decay=0.01)  # fmt: skip
+                         weight_decay=0.01, comm=comm)  # fmt: skip
         rank, world, gas = comm.rank, comm.world_size, 1
         forward, record = model, comm.record
 
@@ -77,7 +78,6 @@ def train(run: dict) -> None:
             (loss * rank_scale).backward()
             opt.step(grad_scale=rank_scale)
 
-        opt.comm = comm  # the same Comm, so its record shows the optimizer's collectives
         engine = None
     else:
         engine, *_ = fastzero.initialize(model=model, config=config(run))
