@@ -1,8 +1,10 @@
 """The training engine ``fastzero.initialize`` returns: DeepSpeed's engine API
 (``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``,
-``save_checkpoint``/``load_checkpoint``) over ZeRO stages 0-3 (stages 0-2:
+``save_checkpoint``/``load_checkpoint``) over ZeRO stages 0-3. Each param
+group is a :class:`~fastzero.runtime.groups.ZeroGroup` (stages 0-2:
 :class:`~fastzero.runtime.partition.FlatGroup`; stage 3:
-:class:`~fastzero.runtime.stage3.Stage3Group`).
+:class:`~fastzero.runtime.stage3.Stage3Group`), and the engine calls only
+what that interface declares.
 
 The engine is thin: the layout and collectives are :mod:`fastzero.comm`'s,
 the update is a fused optimizer's (one pass: unscale by the loss scale, the
@@ -26,13 +28,14 @@ from torch import Tensor
 
 from fastzero.comm import Comm, dist_env, init_distributed
 from fastzero.config import Config, ConfigError, load_config
+from fastzero.runtime.groups import ZeroGroup
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
 from fastzero.runtime.onebit_adam import OneBitAdam
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
-from fastzero.runtime.stage3 import ParamFetcher, Stage3Group
+from fastzero.runtime.stage3 import ParamFetcher, Stage3Group, is_partitioned
 
 
 def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -> list[dict]:
@@ -68,7 +71,7 @@ class Engine:
         self.config = cfg = config
         self.comm = comm or Comm()
         self.stage = cfg.zero_optimization.stage
-        partitioned = [n for n, p in module.named_parameters() if hasattr(p, "_fz_shard")]
+        partitioned = [n for n, p in module.named_parameters() if is_partitioned(p)]
         if partitioned and self.stage != 3:
             raise ConfigError(
                 f"{partitioned[0]} (and {len(partitioned) - 1} more) were partitioned by fastzero.zero.Init: train "
@@ -86,6 +89,7 @@ class Engine:
             zero.reduce_bucket_size if self.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
         )
         overlap = zero.overlap_comm or self.stage == 0  # DDP-style stage 0 always overlaps
+        self.groups: list[ZeroGroup]
         if self.stage == 3:
             threshold = zero.stage3_param_persistence_threshold
             offload = zero.offload_param
@@ -114,6 +118,7 @@ class Engine:
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self.grad_norm: float | None = None
         self.last_loss: Tensor | None = None
+        # seconds spent in each phase since take_timers() (and when the last backward ended, for tests)
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0, "backward_end": 0.0}
         self.monitor = Monitor(cfg, rank=self.comm.rank)
 
@@ -184,25 +189,10 @@ class Engine:
         except RuntimeError as exc:
             if self.fetcher is None:
                 raise
-            raise RuntimeError(self._stage3_hint(exc)) from exc
+            # which partitioned params the forward may have used outside their own module's forward
+            raise RuntimeError(f"{exc}\n\n{self.fetcher.hint()}") from exc
         self.timers["forward"] += time.perf_counter() - start
         return out
-
-    def _stage3_hint(self, exc: Exception) -> str:
-        """Names the partitioned params a failing forward may have used
-        outside their own module's forward (where stage 3 gathers them)."""
-        active = self.fetcher.active[-1] if self.fetcher.active else self.module
-        own = {id(u) for u in self.fetcher.needs.get(active, [])}
-        inside = {id(p) for p in active.parameters()}
-        names = [u.name for u in self.fetcher.unit_of.values()
-                 if id(u.param) in inside and id(u) not in own and not u.gathered]  # fmt: skip
-        where = self.fetcher.names.get(active, "") or "the model"
-        return (
-            f"{exc}\n\nfastzero ZeRO stage 3: this error came from the forward of {where!r}. If it uses a param "
-            f"outside the forward of the module that owns it (released params are empty there), e.g. "
-            f"{', '.join(names[:5]) or 'a param of another module'}, register it with "
-            "engine.register_external_parameter(module, param) so it is gathered for that module."
-        )
 
     def register_external_parameter(self, module: torch.nn.Module, param: Tensor) -> None:
         """Stage 3: `module`'s forward uses `param` although another module
@@ -294,7 +284,7 @@ class Engine:
         """1-bit Adam past freeze_step: the root mean square over ranks of
         each rank's local gradient norm (one tiny all-reduce; non-finite on
         any rank makes it non-finite everywhere)."""
-        sumsq = sum(float(torch.linalg.vector_norm(g.flat_grad, dtype=torch.float32) ** 2) for g in self.groups)
+        sumsq = sum(float(torch.linalg.vector_norm(g.local_grads(), dtype=torch.float32) ** 2) for g in self.groups)
         (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq / self.comm.world_size) if sumsq >= 0 else float("nan")
 
@@ -308,6 +298,14 @@ class Engine:
 
     def get_global_grad_norm(self) -> float | None:
         return self.grad_norm
+
+    def take_timers(self, keys: Iterable[str] = ("forward", "backward", "step")) -> dict[str, float]:
+        """The seconds spent in each phase of `keys` since the last call
+        (summed over micro-batches and steps), restarting them from zero."""
+        out = {}
+        for key in keys:
+            out[key], self.timers[key] = self.timers[key], 0.0
+        return out
 
     @property
     def loss_scale(self) -> float:
@@ -328,15 +326,14 @@ class Engine:
         buffers. The values add up to the rank's model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
+        if self.onebit:  # error feedback: the optimizer's (stage 0) and the groups' (stage 1, added below)
+            out["compression_errors"] = self.optimizer.error_bytes()
         offloaded = getattr(self.optimizer, "offloaded_bytes", None)
         if offloaded is not None:  # ZeRO-Offload: master and state in CPU memory, not on the device
             out.update({f"offload_{k}": v for k, v in offloaded().items()})
         for g in self.groups:
             for key, value in g.memory().items():
                 out[key] = out.get(key, 0) + value
-        if self.onebit:  # error feedback: the optimizer's (stage 0) or the groups' (stage 1)
-            groups = sum(nbytes(g.compress_error) for g in self.groups if g.compress_error is not None)
-            out["compression_errors"] = self.optimizer.error_bytes() + groups
         for state in () if offloaded is not None else self.optimizer.state.values():
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:

@@ -47,6 +47,19 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[type, dict, list[dict]]
     )
 
 
+def param_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict[str, Tensor]:
+    """The optimizer's state for `p` (``exp_avg``, ``exp_avg_sq`` and, with
+    master weights, ``master_param``), created as its first step would create
+    it when no step has run yet (a checkpoint saved or loaded before the
+    first step)."""
+    state = optimizer.state[p]
+    if not state:
+        # fastzero.ops' optimizers make a param's state in _init_state, which they do not expose yet: this is the
+        # runtime's one call of it (to go when ops has a public init_state)
+        optimizer._init_state(p, state)
+    return state
+
+
 def build_optimizer(cfg: Config, groups: list[dict], shard_params: list[list[Tensor]], client=None, *,
                     master_weights: bool) -> torch.optim.Optimizer:  # fmt: skip
     """`groups` are the training's param groups (with any per-group
