@@ -6,6 +6,8 @@ that names the key (as a dotted path), the value and what is allowed: a key
 that does not exist (with a did-you-mean), a value of the wrong type or range,
 a combination that cannot work. A valid DeepSpeed setting that fastzero does
 not implement yet raises :class:`ConfigNotSupported`; nothing is ignored.
+Which optimizer works with which ZeRO stage and with offload is one table,
+:data:`OPTIMIZER_RULES`, which the engine's optimizer builder reads too.
 
     cfg = load_config("ds_config.json", world_size=4)
     cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage, cfg.fp16.enabled
@@ -122,6 +124,55 @@ OPTIMIZER_PARAMS = {
 }
 OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam"}
 OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam")
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    """Where an optimizer runs: the ZeRO stages it works with and whether its
+    step can be offloaded to the CPU, each limit with its reason."""
+
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    stages_reason: str = ""
+    offload: bool = True
+    offload_reason: str = ""
+
+
+# What combines with what, by optimizer (OPTIMIZER_NAMES' values): the config check and the engine's optimizer
+# builder (which also sees optimizers a script passes) both read it.
+OPTIMIZER_RULES: dict[str, OptimizerRule] = {
+    "Adam": OptimizerRule(),
+    "AdamW": OptimizerRule(),
+    "Lamb": OptimizerRule(
+        stages=(0,),
+        stages_reason="its trust ratio needs each param whole, and stages 1-3 partition them; use stage 0, or "
+        "Adam/AdamW",
+        offload=False,
+        offload_reason="the CPU step is Adam/AdamW's (CPUAdam)",
+    ),
+    "OneBitAdam": OptimizerRule(
+        stages=(0, 1),
+        stages_reason="after freeze_step each rank needs its whole local gradient, which stages 2-3 reduce and free "
+        "during backward",
+        offload=False,
+        offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
+    ),
+}
+
+
+def check_optimizer(name: str, stage: int, offload: bool) -> None:
+    """Raises :class:`ConfigNotSupported`, with the reason from
+    :data:`OPTIMIZER_RULES`, when optimizer `name` does not work at ZeRO
+    `stage` or with the optimizer offloaded (`offload`)."""
+    rule = OPTIMIZER_RULES[name]
+    if stage not in rule.stages:
+        *rest, last = map(str, rule.stages)
+        stages = f"{', '.join(rest)} or {last}" if rest else last
+        raise ConfigNotSupported(
+            f"{name} works with zero_optimization.stage {stages} (stage is {stage}): {rule.stages_reason}"
+        )
+    if offload and not rule.offload:
+        raise ConfigNotSupported(f"{name} with offload_optimizer: {rule.offload_reason}")
+
 
 SCHEDULER_PARAMS = {
     # DeepSpeed's defaults (deepspeed/runtime/lr_schedules.py); None = required
@@ -387,18 +438,8 @@ def _check_combinations(cfg: Config) -> None:
             "zero_optimization.offload_param needs offload_optimizer.device 'cpu' too: the offloaded param shards are "
             "what the CPU step updates"
         )
-    if cfg.optimizer.type == "Lamb" and zero.stage >= 1:
-        raise ConfigNotSupported(
-            f"optimizer.type 'Lamb' with zero_optimization.stage {zero.stage}: its trust ratio needs each param whole, "
-            "and stages 1-2 partition flat buffers; use stage 0, or Adam/AdamW"
-        )
-    if cfg.optimizer.type == "OneBitAdam" and zero.stage > 1:
-        raise ConfigNotSupported(
-            f"OneBitAdam works with zero_optimization.stage 0 or 1 (stage is {zero.stage}): after freeze_step each "
-            "rank needs its whole local gradient, which stages 2-3 reduce and free during backward"
-        )
-    if cfg.optimizer.type == "OneBitAdam" and zero.offload_optimizer.device != "none":
-        raise ConfigNotSupported("OneBitAdam with offload_optimizer: its compressed step runs where the params are")
+    if cfg.optimizer.type:
+        check_optimizer(cfg.optimizer.type, zero.stage, offload=zero.offload_optimizer.device != "none")
 
 
 def load_config(config: str | Path | dict, world_size: int = 1) -> Config:

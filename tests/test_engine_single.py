@@ -2,6 +2,7 @@
 takes over, param groups, schedules, monitoring and its errors."""
 
 import csv
+import re
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ import fastzero
 from fastzero.comm import FlatLayout
 from fastzero.comm.layout import ALIGN
 from fastzero.config import ConfigError, ConfigNotSupported
+from fastzero.ops import FusedLamb
+from fastzero.runtime.onebit_adam import OneBitAdam
+from tests.test_config import REFUSED, zero_section
 from tests.workers.train_zero import make_model
 
 
@@ -132,6 +136,21 @@ def test_tensorboard_logs_deepspeed_tags(tmp_path):
 def test_initialize_errors_name_the_problem(kwargs, error, match):
     with pytest.raises(error, match=match):
         fastzero.initialize(model=make_model(), **kwargs)
+
+
+CLIENT_OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Lamb": FusedLamb, "OneBitAdam": OneBitAdam}
+
+
+@pytest.mark.parametrize("name, stage, offload, reason", REFUSED)
+def test_a_passed_optimizer_is_held_to_the_same_table(name, stage, offload, reason):
+    """The optimizer builder reads fastzero.config.OPTIMIZER_RULES too: an
+    optimizer the script passes (which the config check never sees) is
+    refused with the same reason."""
+    model = make_model()
+    client = CLIENT_OPTIMIZERS[name](model.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": zero_section(stage, offload)}
+    with pytest.raises(ConfigNotSupported, match=re.escape(reason)):
+        fastzero.initialize(model=model, optimizer=client, config=config)
 
 
 def test_unsupported_client_optimizer_is_refused():
