@@ -31,8 +31,16 @@ class ConfigNotSupported(ConfigError):
     """A valid DeepSpeed setting that this version of fastzero does not implement."""
 
 
-def _opt(default: Any, kind: str, *, choices: tuple = (), low: float | None = None, high: float | None = None,
-         low_open: bool = False, nullable: bool = False) -> Any:  # fmt: skip
+def _opt(
+    default: Any,
+    kind: str,
+    *,
+    choices: tuple = (),
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    nullable: bool = False,
+) -> Any:
     """A field with its check: kind is bool, int, float, str, choice or dict."""
     meta = dict(kind=kind, choices=choices, low=low, high=high, low_open=low_open, nullable=nullable)
     if isinstance(default, dict):
@@ -69,8 +77,16 @@ class BF16Config:
 class OffloadConfig:
     device: str = _opt("none", "choice", choices=("none", "cpu", "nvme"))
     pin_memory: bool = _opt(False, "bool")
-    UNSUPPORTED = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio", "pipeline_read",
-                   "pipeline_write")  # fmt: skip
+    UNSUPPORTED = (
+        "nvme_path",
+        "buffer_count",
+        "buffer_size",
+        "max_in_cpu",
+        "fast_init",
+        "ratio",
+        "pipeline_read",
+        "pipeline_write",
+    )
 
 
 @dataclass(frozen=True)
@@ -89,9 +105,19 @@ class ZeroConfig:
     stage3_max_live_parameters: int = _opt(1_000_000_000, "int", low=0)
     stage3_max_reuse_distance: int = _opt(1_000_000_000, "int", low=0)
     stage3_gather_16bit_weights_on_model_save: bool = _opt(False, "bool")
-    UNSUPPORTED = ("sub_group_size", "round_robin_gradients", "elastic_checkpoint", "zero_hpz_partition_size",
-                   "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
-                   "load_from_fp32_weights", "cpu_offload", "memory_efficient_linear")  # fmt: skip
+    UNSUPPORTED = (
+        "sub_group_size",
+        "round_robin_gradients",
+        "elastic_checkpoint",
+        "zero_hpz_partition_size",
+        "zero_quantized_weights",
+        "zero_quantized_gradients",
+        "mics_shard_size",
+        "ignore_unused_parameters",
+        "load_from_fp32_weights",
+        "cpu_offload",
+        "memory_efficient_linear",
+    )
 
 
 OPTIMIZER_PARAMS = {
@@ -108,7 +134,7 @@ OPTIMIZER_PARAMS = {
         max_coeff=10.0,
         min_coeff=0.01,
         eps_inside_sqrt=False,
-    ),  # fmt: skip
+    ),
     "onebitadam": dict(
         lr=1e-3,
         betas=(0.9, 0.999),
@@ -120,7 +146,7 @@ OPTIMIZER_PARAMS = {
         max_grad_norm=0.0,
         comm_backend_name="",  # DeepSpeed's backend choice: accepted and ignored, any torch.distributed backend works
         cuda_aware=False,
-    ),  # fmt: skip
+    ),
 }
 OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam"}
 OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam")
@@ -179,10 +205,10 @@ SCHEDULER_PARAMS = {
     "WarmupLR": dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"),
     "WarmupDecayLR": dict(
         total_num_steps=None, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"
-    ),  # fmt: skip
+    ),
     "WarmupCosineLR": dict(
         total_num_steps=None, warmup_min_ratio=0.0, warmup_num_steps=1000, cos_min_ratio=0.0001, warmup_type="log"
-    ),  # fmt: skip
+    ),
     "OneCycle": dict(
         cycle_min_lr=None,
         cycle_max_lr=None,
@@ -196,13 +222,13 @@ SCHEDULER_PARAMS = {
         cycle_min_mom=0.8,
         cycle_max_mom=0.9,
         decay_mom_rate=0.0,
-    ),  # fmt: skip
+    ),
     "LRRangeTest": dict(
         lr_range_test_min_lr=0.001,
         lr_range_test_step_size=2000,
         lr_range_test_step_rate=1.0,
         lr_range_test_staircase=False,
-    ),  # fmt: skip
+    ),
 }
 OPTIONAL_NONE = {"cycle_second_step_size", "cycle_second_stair_count"}  # None means "same as the first"
 
@@ -241,12 +267,34 @@ class Config:
     wall_clock_breakdown: bool = _opt(False, "bool")
     tensorboard: MonitorConfig = _section(MonitorConfig)
     csv_monitor: MonitorConfig = _section(MonitorConfig)
-    UNSUPPORTED = ("wandb", "comet", "flops_profiler", "activation_checkpointing", "sparse_attention", "pipeline",
-                   "elasticity", "autotuning", "compression_training", "data_efficiency", "amp", "aio",
-                   "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
-                   "sparse_gradients", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-                   "memory_breakdown", "dump_state", "checkpoint", "nebula", "curriculum_learning",
-                   "fp8", "seq_parallel_communication_data_type", "tensor_parallel")  # fmt: skip
+    UNSUPPORTED = (
+        "wandb",
+        "comet",
+        "flops_profiler",
+        "activation_checkpointing",
+        "sparse_attention",
+        "pipeline",
+        "elasticity",
+        "autotuning",
+        "compression_training",
+        "data_efficiency",
+        "amp",
+        "aio",
+        "communication_data_type",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "memory_breakdown",
+        "dump_state",
+        "checkpoint",
+        "nebula",
+        "curriculum_learning",
+        "fp8",
+        "seq_parallel_communication_data_type",
+        "tensor_parallel",
+    )
 
 
 # -- parsing ----------------------------------------------------------------------------------------

@@ -56,8 +56,16 @@ class Init:
     ``deepspeed.zero.Init``; its other arguments are accepted and ignored).
     Joins the process group from the environment first if needed."""
 
-    def __init__(self, module=None, data_parallel_group=None, config_dict_or_path=None, config=None,
-                 enabled: bool = True, dtype=None, **_ignored) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype=None,
+        **_ignored,
+    ) -> None:
         self.enabled = enabled
         self.group = data_parallel_group
         self._patched: list[tuple[type, object]] = []

@@ -20,8 +20,9 @@ def test_exact_resume_on_two_ranks(tmp_path):
     """Saved after 3 of 6 steps and loaded by fresh processes: the same
     losses, bit for bit, and the same params as the uninterrupted run."""
     save = str(tmp_path / "ckpt")
-    full, first = train(tmp_path, 2, [dict(stage=2, dtype="bf16", steps=6), dict(stage=2, dtype="bf16", steps=3,
-                                                                               save_at=3, save=save)])  # fmt: skip
+    full, first = train(
+        tmp_path, 2, [dict(stage=2, dtype="bf16", steps=6), dict(stage=2, dtype="bf16", steps=3, save_at=3, save=save)]
+    )
     (tmp_path / "b").mkdir()
     (resumed,) = train(tmp_path / "b", 2, [dict(stage=2, dtype="bf16", steps=6, start=3, load=save)])
     for r in range(2):
@@ -83,8 +84,9 @@ def test_another_model_or_a_corrupt_file_is_refused_and_nothing_changes(tmp_path
     engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 2}))
     run_engine(engine, batches(2))
     engine.save_checkpoint(tmp_path)
-    other = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.GELU(), torch.nn.Linear(64, 17),
-                                torch.nn.LayerNorm(17))  # fmt: skip
+    other = torch.nn.Sequential(
+        torch.nn.Linear(33, 64), torch.nn.GELU(), torch.nn.Linear(64, 17), torch.nn.LayerNorm(17)
+    )
     target, *_ = fastzero.initialize(model=other, config=cfg(zero_optimization={"stage": 2}))
     snapshot = [p.detach().clone() for p in other.parameters()]
     with pytest.raises(CheckpointError, match=r"param 0.weight has shape \(65, 33\) in the checkpoint"):
@@ -123,6 +125,9 @@ def test_consolidate_command(tmp_path):
     # the fp32 masters, which the bf16 params are the rounding of
     for (name, p), q in zip(model.named_parameters(), engine.module.parameters()):
         assert torch.equal(p.to(torch.bfloat16), q), name
-    bad = subprocess.run([sys.executable, "-m", "fastzero.checkpoint", "consolidate", str(tmp_path), str(out)],
-                         capture_output=True, text=True)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "fastzero.checkpoint", "consolidate", str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "not a fastzero checkpoint" in bad.stderr or "no 'latest'" in bad.stderr

@@ -23,8 +23,15 @@ def test_defaults_are_deepspeeds():
     assert not c.zero_optimization.overlap_comm
     assert c.zero_optimization.offload_optimizer.device == "none"
     fp16 = c.fp16
-    assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-            fp16.consecutive_hysteresis, fp16.min_loss_scale) == (False, 0.0, 16, 1000, 2, False, 1.0)  # fmt: skip
+    assert (
+        fp16.enabled,
+        fp16.loss_scale,
+        fp16.initial_scale_power,
+        fp16.loss_scale_window,
+        fp16.hysteresis,
+        fp16.consecutive_hysteresis,
+        fp16.min_loss_scale,
+    ) == (False, 0.0, 16, 1000, 2, False, 1.0)
     assert (c.steps_per_print, c.gradient_clipping, c.wall_clock_breakdown) == (10, 0.0, False)
     assert c.tensorboard.job_name == "DeepSpeedJobName"
     json.dumps(to_dict(c))  # plain values throughout
@@ -55,8 +62,11 @@ def test_any_two_batch_sizes_give_the_third(given, world, expected):
 
 def test_inconsistent_batch_sizes_show_the_arithmetic():
     bad = dict(train_batch_size=30, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
-    with pytest.raises(ConfigError, match=r"30 != train_micro_batch_size_per_gpu 4 \* gradient_accumulation_steps 2 "
-                       r"\* world size 2 = 16"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"30 != train_micro_batch_size_per_gpu 4 \* gradient_accumulation_steps 2 "
+        r"\* world size 2 = 16",
+    ):
         load_config(bad, world_size=2)
     with pytest.raises(ConfigError, match="not a multiple"):
         load_config(dict(train_batch_size=30, train_micro_batch_size_per_gpu=4))

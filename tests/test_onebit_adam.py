@@ -209,8 +209,11 @@ def test_bad_arguments_name_the_problem(kwargs, match):
 
 
 def _cfg(stage=0, **params):
-    return {"train_batch_size": 8, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "OneBitAdam", "params": params}}  # fmt: skip
+    return {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "OneBitAdam", "params": params},
+    }
 
 
 @pytest.mark.parametrize(
@@ -293,9 +296,16 @@ def test_bf16_and_fp16_and_standalone_converge(tmp_path):
         dict(name="alone_scaled", optimizer="OneBitAdam", standalone=True, rank_scale=True, steps=STEPS),
         # gradients far below fp16's normal range once unscaled: only the loss scale keeps them
         dict(name="adam_small", optimizer="AdamW", loss_mult=1e-6, steps=STEPS),
-        dict(name="fp16_small", optimizer="OneBitAdam", dtype="fp16", stage=1, scale_power=20, loss_mult=1e-6,
-             steps=STEPS),
-    ]  # fmt: skip
+        dict(
+            name="fp16_small",
+            optimizer="OneBitAdam",
+            dtype="fp16",
+            stage=1,
+            scale_power=20,
+            loss_mult=1e-6,
+            steps=STEPS,
+        ),
+    ]
     load = _train(tmp_path, "precisions", runs)
     adam = load("adam")
     for run in ("bf16", "fp16", "alone"):

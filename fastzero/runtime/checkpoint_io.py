@@ -78,8 +78,11 @@ def _load_onebit_state(engine, saved: dict | None, same_world: bool, had_errors:
     for g, state in zip(engine.groups, saved["groups"] if restored else [None] * len(engine.groups)):
         g.load_rank_state(state)
     if not restored and had_errors:
-        warnings.warn("1-bit Adam: the checkpoint's error-feedback buffers are for another world size or stage; "
-                      "they restart from zero (a one-time, bounded perturbation)", stacklevel=4)  # fmt: skip
+        warnings.warn(
+            "1-bit Adam: the checkpoint's error-feedback buffers are for another world size or stage; "
+            "they restart from zero (a one-time, bounded perturbation)",
+            stacklevel=4,
+        )
 
 
 def _write(path: Path, obj: Any) -> None:
@@ -118,24 +121,37 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
     comm.barrier()
     if comm.rank == 0:
         trainable = {id(p) for g in engine.groups for p in g.params}
-        module_state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict(keep_vars=True).items()
-                        if id(v) not in trainable}  # fmt: skip
+        module_state = {
+            k: v.detach().cpu().clone()
+            for k, v in engine.module.state_dict(keep_vars=True).items()
+            if id(v) not in trainable
+        }
         sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
         extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
         _write(tmp / "extra.pt", extra)
         manifest = {
-            "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "stage": engine.stage,
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": comm.world_size,
+            "stage": engine.stage,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
             "onebit_errors": _has_errors(engine),
-            "groups": [{"step": int(float(og.get("step", 0))), "names": g.names,
-                        "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"}}
-                       for g, og in zip(engine.groups, engine.optimizer.param_groups)],
+            "groups": [
+                {
+                    "step": int(float(og.get("step", 0))),
+                    "names": g.names,
+                    "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"},
+                }
+                for g, og in zip(engine.groups, engine.optimizer.param_groups)
+            ],
             "params": {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)},
             "files": {_rank_file(r): idx for r, idx in enumerate(indexes)},
-        }  # fmt: skip
+        }
         text = json.dumps(manifest, indent=1)
         with open(tmp / "manifest.json", "w") as f:
             f.write(text)
@@ -228,8 +244,10 @@ def _check_model(manifest: dict, engine, path: Path) -> None:
             if name not in saved:
                 raise CheckpointError(f"{path}: param {name} of the model is not in the checkpoint (another model?)")
             if list(shape) != saved[name]:
-                raise CheckpointError(f"{path}: param {name} has shape {tuple(saved[name])} in the checkpoint and "
-                                      f"{tuple(shape)} in the model")  # fmt: skip
+                raise CheckpointError(
+                    f"{path}: param {name} has shape {tuple(saved[name])} in the checkpoint and "
+                    f"{tuple(shape)} in the model"
+                )
     ours = {n for g in engine.groups for n in g.names}
     extra = [n for n in saved if n not in ours]
     if extra:
@@ -238,14 +256,16 @@ def _check_model(manifest: dict, engine, path: Path) -> None:
         raise CheckpointError(f"{path}: the checkpoint's param groups differ from the engine's")
 
 
-def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True):  # fmt: skip
+def load_checkpoint(
+    engine, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+):
     """Every rank calls it. Returns (path, client_state), or (None, None)
     when `load_dir` has no ``latest`` and no tag is given."""
     path = resolve(load_dir, tag)
     if path is None:
-        warnings.warn(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a given checkpoint)",
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a given checkpoint)", stacklevel=3
+        )
         return None, None
     manifest = read_manifest(path)
     _check_model(manifest, engine, path)

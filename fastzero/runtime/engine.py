@@ -66,8 +66,16 @@ def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -
 class Engine:
     """Trains `module` data-parallel with ZeRO; built by :func:`initialize`."""
 
-    def __init__(self, module: torch.nn.Module, config: Config, *, model_parameters=None, optimizer=None,
-                 lr_scheduler=None, comm: Comm | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: Config,
+        *,
+        model_parameters=None,
+        optimizer=None,
+        lr_scheduler=None,
+        comm: Comm | None = None,
+    ) -> None:
         self.config = cfg = config
         self.comm = comm or Comm()
         self.stage = cfg.zero_optimization.stage
@@ -93,18 +101,44 @@ class Engine:
         if self.stage == 3:
             threshold = zero.stage3_param_persistence_threshold
             offload = zero.offload_param
-            self.groups = [Stage3Group(g["params"], [names[id(p)] for p in g["params"]], comm=self.comm,
-                                       persistence_threshold=threshold, offload=offload.device == "cpu",
-                                       pin_memory=offload.pin_memory) for g in groups]  # fmt: skip
-            self.fetcher = ParamFetcher(self.module, self.groups, prefetch_elements=zero.stage3_prefetch_bucket_size,
-                                        max_live=zero.stage3_max_live_parameters,
-                                        max_reuse=zero.stage3_max_reuse_distance)  # fmt: skip
+            self.groups = [
+                Stage3Group(
+                    g["params"],
+                    [names[id(p)] for p in g["params"]],
+                    comm=self.comm,
+                    persistence_threshold=threshold,
+                    offload=offload.device == "cpu",
+                    pin_memory=offload.pin_memory,
+                )
+                for g in groups
+            ]
+            self.fetcher = ParamFetcher(
+                self.module,
+                self.groups,
+                prefetch_elements=zero.stage3_prefetch_bucket_size,
+                max_live=zero.stage3_max_live_parameters,
+                max_reuse=zero.stage3_max_reuse_distance,
+            )
         else:
-            self.groups = [FlatGroup(g["params"], [names[id(p)] for p in g["params"]], stage=self.stage,
-                                     comm=self.comm, bucket_size=bucket, overlap=overlap) for g in groups]  # fmt: skip
+            self.groups = [
+                FlatGroup(
+                    g["params"],
+                    [names[id(p)] for p in g["params"]],
+                    stage=self.stage,
+                    comm=self.comm,
+                    bucket_size=bucket,
+                    overlap=overlap,
+                )
+                for g in groups
+            ]
             self.fetcher = None
-        self.optimizer = build_optimizer(cfg, groups, [g.optimizer_params() for g in self.groups], optimizer,
-                                         master_weights=self.dtype != torch.float32)  # fmt: skip
+        self.optimizer = build_optimizer(
+            cfg,
+            groups,
+            [g.optimizer_params() for g in self.groups],
+            optimizer,
+            master_weights=self.dtype != torch.float32,
+        )
         self.onebit = isinstance(self.optimizer, OneBitAdam)
         if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
             self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0)
@@ -126,8 +160,11 @@ class Engine:
     def _sync_module_state(self) -> None:
         """Every rank starts from rank 0's params and buffers."""
         if self.comm.world_size > 1:
-            handles = [self.comm.broadcast(t.data, 0, "init") for t in self.module.state_dict().values()
-                       if isinstance(t, Tensor)]  # fmt: skip
+            handles = [
+                self.comm.broadcast(t.data, 0, "init")
+                for t in self.module.state_dict().values()
+                if isinstance(t, Tensor)
+            ]
             for h in handles:
                 h.wait()
 
@@ -360,8 +397,11 @@ class Engine:
         ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed; returns
         whether it was saved."""
         if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            warnings.warn("save_16bit_model at stage 3 needs zero_optimization."
-                          "stage3_gather_16bit_weights_on_model_save: true; nothing saved", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "save_16bit_model at stage 3 needs zero_optimization."
+                "stage3_gather_16bit_weights_on_model_save: true; nothing saved",
+                stacklevel=2,
+            )
             return False
         with self.gathered() as module:
             state = (
@@ -384,17 +424,26 @@ class Engine:
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True):  # fmt: skip
+    def load_checkpoint(
+        self, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+    ):
         from fastzero.runtime.checkpoint_io import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
 
-def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
-               model_parameters: Iterable | None = None, training_data=None, lr_scheduler=None,
-               config: str | dict | None = None, config_params: dict | None = None, collate_fn=None,
-               dist_init_required: bool | None = None):  # fmt: skip
+def initialize(
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    model_parameters: Iterable | None = None,
+    training_data=None,
+    lr_scheduler=None,
+    config: str | dict | None = None,
+    config_params: dict | None = None,
+    collate_fn=None,
+    dist_init_required: bool | None = None,
+):
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader,
     lr_scheduler)``. Joins the process group from the launcher's environment
     when there is more than one rank and none exists yet."""
@@ -410,13 +459,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         init_distributed()
     comm = Comm()
     cfg = load_config(config, world_size=comm.world_size)
-    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                    comm=comm)  # fmt: skip
+    engine = Engine(
+        model, cfg, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, comm=comm
+    )
     loader = None
     if training_data is not None:
         sampler = None
         if comm.world_size > 1:
             sampler = torch.utils.data.DistributedSampler(training_data, comm.world_size, comm.rank)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                                             sampler=sampler, collate_fn=collate_fn)  # fmt: skip
+        loader = torch.utils.data.DataLoader(
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+        )
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -141,8 +141,13 @@ class ZeroGroup(Protocol):
             out.append(PieceState(piece.name, piece.lo, piece.hi, {k: v[window] for k, v in state.items()}))
         return out
 
-    def pieces_in(self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor],
-                  saved: Mapping[str, Sequence[PieceState]], keys: Sequence[str] = STATE_KEYS) -> None:  # fmt: skip
+    def pieces_in(
+        self,
+        optimizer: torch.optim.Optimizer,
+        opt_params: list[Tensor],
+        saved: Mapping[str, Sequence[PieceState]],
+        keys: Sequence[str] = STATE_KEYS,
+    ) -> None:
         """Pieces in: copies `keys` of the `saved` pieces (by param name, any
         split; together they must cover what this rank owns) into the owned
         pieces, then each low-precision param from its master."""
@@ -167,8 +172,11 @@ def _flat_state(optimizer: torch.optim.Optimizer, opt_param: Tensor) -> dict[str
     the tensor itself when it is fp32 already)."""
     state = param_state(optimizer, opt_param)
     master = state.get("master_param", opt_param)
-    return {"master": master.reshape(-1), "exp_avg": state["exp_avg"].reshape(-1),
-            "exp_avg_sq": state["exp_avg_sq"].reshape(-1)}  # fmt: skip
+    return {
+        "master": master.reshape(-1),
+        "exp_avg": state["exp_avg"].reshape(-1),
+        "exp_avg_sq": state["exp_avg_sq"].reshape(-1),
+    }
 
 
 class CompressingGroup(ZeroGroup, Protocol):

@@ -81,8 +81,9 @@ class OffloadedAdam(CPUAdam):
         self.dtype = first.dtype
         # staging on the CPU: the grads that come in, and (low precision) the param copy the kernel writes
         self.grad_in = {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
-        self.param_out = None if first.dtype == torch.float32 else {
-            m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}  # fmt: skip
+        self.param_out = (
+            None if first.dtype == torch.float32 else {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
+        )
 
     def sync_device_params(self) -> None:
         """The device tensors from the masters (after a checkpoint load)."""
@@ -97,15 +98,22 @@ class OffloadedAdam(CPUAdam):
             self._check_group(0, group)
             total = sum(m.numel() for m in group["params"])
             chunk = self.chunk or min(CHUNK, max(MIN_CHUNK, -(-total // PIECES)))
-            pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"]
-                      for lo in range(0, m.numel(), chunk)]  # fmt: skip
+            pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"] for lo in range(0, m.numel(), chunk)]
             if not pieces:
                 continue
             group["step"] = int(group.get("step", 0)) + 1
             beta1, beta2 = group["betas"]
-            hyper = dict(step=group["step"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-                         adamw_mode=group["adamw_mode"], grad_scale=grad_scale)  # fmt: skip
+            hyper = dict(
+                step=group["step"],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                bias_correction=group["bias_correction"],
+                adamw_mode=group["adamw_mode"],
+                grad_scale=grad_scale,
+            )
 
             def fetch(piece):
                 m, lo, hi = piece
@@ -119,8 +127,14 @@ class OffloadedAdam(CPUAdam):
                 if not state:
                     self._init_state(m, state)
                 copies = None if self.param_out is None else [self.param_out[m][lo:hi]]
-                cpu_adam_step([m[lo:hi]], [self.grad_in[m][lo:hi]], [state["exp_avg"][lo:hi]],
-                              [state["exp_avg_sq"][lo:hi]], param_copies=copies, **hyper)  # fmt: skip
+                cpu_adam_step(
+                    [m[lo:hi]],
+                    [self.grad_in[m][lo:hi]],
+                    [state["exp_avg"][lo:hi]],
+                    [state["exp_avg_sq"][lo:hi]],
+                    param_copies=copies,
+                    **hyper,
+                )
                 out = m[lo:hi] if copies is None else copies[0]
                 outgoing.append(self.transfers.copy(self.device_of[m].reshape(-1)[lo:hi], out))
                 incoming = following

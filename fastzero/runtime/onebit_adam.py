@@ -100,8 +100,9 @@ class OneBitAdam(FusedAdam):
             raise ValueError(f"OneBitAdam max_grad_norm={max_grad_norm!r}: must be >= 0 (0 turns clipping off)")
         self.freeze_step = check_freeze_step(freeze_step)
         self.max_grad_norm = float(max_grad_norm)
-        super().__init__(params, lr, bias_correction, betas, eps, True, weight_decay,
-                         master_weights=master_weights, backend=backend)  # fmt: skip
+        super().__init__(
+            params, lr, bias_correction, betas, eps, True, weight_decay, master_weights=master_weights, backend=backend
+        )
         self.process_group = process_group
         self._group_comm = comm  # a Comm over process_group, made on first use when not given
         # Under the engine (attach_engine): it reduces warm-up grads, agrees on overflows and clips
@@ -192,8 +193,9 @@ class OneBitAdam(FusedAdam):
             params = _trained(group)
             if not params:
                 continue
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                              for p in params])  # fmt: skip
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+            )
             flat /= scale  # this rank's scale, before the sum
             comm.all_reduce(flat, tag="onebit_warmup").wait()
             flat /= comm.world_size
@@ -209,8 +211,12 @@ class OneBitAdam(FusedAdam):
     def _clip_factor(self, comm, scale: float, local: bool) -> float:
         """1/coef so that the gradient the step uses has norm <= max_grad_norm;
         after the freeze the norm is the RMS of the ranks' local norms."""
-        sumsq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2)
-                    for g in self.param_groups for p in g["params"] if p.grad is not None)  # fmt: skip
+        sumsq = sum(
+            float(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2)
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        )
         if local and comm.world_size > 1:
             (sumsq,) = comm.all_reduce_scalars([sumsq], tag="onebit")
             sumsq /= comm.world_size
@@ -329,5 +335,8 @@ class OneBitAdam(FusedAdam):
         saved = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
         if not self.load_error_state(saved):
-            warnings.warn("OneBitAdam: the checkpoint's error-feedback buffers are for another world size; they "
-                          "restart from zero (a one-time, bounded perturbation)", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "OneBitAdam: the checkpoint's error-feedback buffers are for another world size; they "
+                "restart from zero (a one-time, bounded perturbation)",
+                stacklevel=2,
+            )

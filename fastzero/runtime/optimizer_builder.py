@@ -16,8 +16,17 @@ from fastzero.runtime.offload import OffloadedAdam
 from fastzero.runtime.onebit_adam import OneBitAdam
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
-_LAMB_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_grad_norm", "max_coeff", "min_coeff",
-              "eps_inside_sqrt")  # fmt: skip
+_LAMB_KEYS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "bias_correction",
+    "max_grad_norm",
+    "max_coeff",
+    "min_coeff",
+    "eps_inside_sqrt",
+)
 _ONEBIT_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
 _ONEBIT_IGNORED = ("comm_backend_name", "cuda_aware")  # DeepSpeed's backend flags: any torch.distributed backend works
 
@@ -42,8 +51,10 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]]:
         for gi, g in enumerate(groups):
             for key in ("amsgrad", "maximize"):
                 if g.get(key):
-                    raise ConfigNotSupported(f"{type(client).__name__}({key}=True) in param group {gi}: fastzero's "
-                                             f"fused Adam does not implement {key}")  # fmt: skip
+                    raise ConfigNotSupported(
+                        f"{type(client).__name__}({key}=True) in param group {gi}: fastzero's "
+                        f"fused Adam does not implement {key}"
+                    )
         keep = ("lr", "betas", "eps", "weight_decay")
         return "AdamW" if adamw else "Adam", {}, [dict({k: g[k] for k in keep}, adamw_mode=adamw) for g in groups]
     raise ConfigNotSupported(
@@ -65,8 +76,9 @@ def param_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict[str, Tensor
     return state
 
 
-def build_optimizer(cfg: Config, groups: list[dict], shard_params: list[list[Tensor]], client=None, *,
-                    master_weights: bool) -> torch.optim.Optimizer:  # fmt: skip
+def build_optimizer(
+    cfg: Config, groups: list[dict], shard_params: list[list[Tensor]], client=None, *, master_weights: bool
+) -> torch.optim.Optimizer:
     """`groups` are the training's param groups (with any per-group
     hyperparameters), `shard_params` what the rank updates for each."""
     opt = cfg.optimizer

@@ -28,8 +28,9 @@ from fastzero.runtime.groups import CompressingGroup, Piece
 
 
 class FlatGroup(CompressingGroup):
-    def __init__(self, params: list[Tensor], names: list[str], *, stage: int, comm: Comm, bucket_size: int,
-                 overlap: bool) -> None:  # fmt: skip
+    def __init__(
+        self, params: list[Tensor], names: list[str], *, stage: int, comm: Comm, bucket_size: int, overlap: bool
+    ) -> None:
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.shapes = [p.shape for p in params]
         world, self.rank = (comm.world_size, comm.rank) if stage >= 1 else (1, 0)
@@ -43,8 +44,9 @@ class FlatGroup(CompressingGroup):
             p.data = view
         # the flat gradient buffer (stages 0-1) or the gradient shard (1-2)
         self.flat_grad = torch.zeros_like(self.flat) if stage <= 1 else None
-        self.grad_shard = None if stage == 0 else torch.zeros(self.layout.shard_size, dtype=self.dtype,
-                                                              device=self.device)  # fmt: skip
+        self.grad_shard = (
+            None if stage == 0 else torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        )
         mode = "all_reduce" if stage == 0 else "reduce_scatter"
         self.reducer = GradReducer(comm, self.layout, mode, shard=self.grad_shard, flat=self.flat_grad, overlap=overlap)
         self._compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major

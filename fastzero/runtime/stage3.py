@@ -47,8 +47,17 @@ class Unit:
     """One param, partitioned: `shard` is this rank's chunk, `full` the
     gathered param (None while released)."""
 
-    def __init__(self, param: Tensor, name: str, shape: torch.Size, comm: Comm, shard: Tensor, grad_shard: Tensor,
-                 pool: BufferPool, persistent: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        param: Tensor,
+        name: str,
+        shape: torch.Size,
+        comm: Comm,
+        shard: Tensor,
+        grad_shard: Tensor,
+        pool: BufferPool,
+        persistent: bool,
+    ) -> None:
         self.param, self.name, self.shape, self.comm = param, name, shape, comm
         self.device = grad_shard.device  # where the whole param lives (the shard may be offloaded to the CPU)
         self.layout = FlatLayout([shape.numel()], comm.world_size, WHOLE)
@@ -91,8 +100,16 @@ class Stage3Group(ZeroGroup):
     """One param group at stage 3: its units, their shard and gradient
     shard buffers, and what the optimizer updates (each unit's chunk)."""
 
-    def __init__(self, params: list[Tensor], names: list[str], *, comm: Comm, persistence_threshold: int,
-                 offload: bool = False, pin_memory: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: list[Tensor],
+        names: list[str],
+        *,
+        comm: Comm,
+        persistence_threshold: int,
+        offload: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
         self.params, self.names, self.comm, self.stage = params, names, comm, 3
         self.shapes = [logical_shape(p) for p in params]
         self.dtype, self.device = params[0].dtype, params[0].device
@@ -107,9 +124,16 @@ class Stage3Group(ZeroGroup):
         self.units: list[Unit] = []
         offset = 0
         for p, name, shape, lay, size in zip(params, names, self.shapes, layouts, sizes):
-            unit = Unit(p, name, shape, comm, self.shard[offset : offset + size],
-                        self.grad_shard[offset : offset + size], self.pool,
-                        persistent=shape.numel() < persistence_threshold)  # fmt: skip
+            unit = Unit(
+                p,
+                name,
+                shape,
+                comm,
+                self.shard[offset : offset + size],
+                self.grad_shard[offset : offset + size],
+                self.pool,
+                persistent=shape.numel() < persistence_threshold,
+            )
             offset += size
             self._partition(unit, lay)
             self.units.append(unit)
@@ -198,8 +222,15 @@ class ParamFetcher:
     """Module hooks that gather each module's params before it runs and
     release them after, with the recorded order's prefetch."""
 
-    def __init__(self, module: torch.nn.Module, groups: list[Stage3Group], *, prefetch_elements: int,
-                 max_live: int, max_reuse: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[Stage3Group],
+        *,
+        prefetch_elements: int,
+        max_live: int,
+        max_reuse: int,
+    ) -> None:
         self.prefetch_elements, self.max_live, self.max_reuse = prefetch_elements, max_live, max_reuse
         self.root = module
         self.unit_of = {id(u.param): u for g in groups for u in g.units}

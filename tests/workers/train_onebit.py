@@ -24,8 +24,9 @@ MICRO, DIM, OUT = 8, 32, 8
 
 def make_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
-                               torch.nn.Linear(64, OUT))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(DIM, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, OUT)
+    )
 
 
 def teacher():
@@ -66,8 +67,9 @@ def train(run: dict) -> None:
         init_distributed()
         comm = Comm()
         # the same Comm, so its record shows the optimizer's collectives
-        opt = OneBitAdam(model.parameters(), lr=run.get("lr", 3e-3), freeze_step=run.get("freeze", 20),
-                         weight_decay=0.01, comm=comm)  # fmt: skip
+        opt = OneBitAdam(
+            model.parameters(), lr=run.get("lr", 3e-3), freeze_step=run.get("freeze", 20), weight_decay=0.01, comm=comm
+        )
         rank, world, gas = comm.rank, comm.world_size, 1
         forward, record = model, comm.record
 
@@ -122,8 +124,15 @@ def train(run: dict) -> None:
             p.copy_(params[n])
         eval_loss = torch.nn.functional.mse_loss(evaluated(x), y).item()
     memory = engine.memory_breakdown() if engine is not None else None
-    result = dict(losses=losses, eval_loss=eval_loss, params=params, sent=sent, numel=numel, memory=memory,
-                  load_warnings=[str(w.message) for w in load_warnings])  # fmt: skip
+    result = dict(
+        losses=losses,
+        eval_loss=eval_loss,
+        params=params,
+        sent=sent,
+        numel=numel,
+        memory=memory,
+        load_warnings=[str(w.message) for w in load_warnings],
+    )
     torch.save(result, f"{run['out']}.rank{rank}.pt")
 
 
