@@ -170,6 +170,16 @@ def test_a_passed_optimizer_is_held_to_the_same_table(name, stage, offload, reas
         fastzero.initialize(model=model, optimizer=client, config=config)
 
 
+def test_take_timers_reads_the_phase_times_and_restarts_them():
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg())
+    for x, y in batches(2):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    times = engine.take_timers()
+    assert set(times) == {"forward", "backward", "step"} and all(t > 0 for t in times.values())
+    assert engine.take_timers() == dict.fromkeys(times, 0.0)
+
+
 def test_unsupported_client_optimizer_is_refused():
     model = make_model()
     with pytest.raises(ConfigNotSupported, match="SGD"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -60,6 +60,7 @@ class PieceState:
     tensors: dict[str, Tensor]
 
 
+@runtime_checkable
 class ZeroGroup(Protocol):
     """What the engine relies on from one ZeRO group. Implementations
     subclass it to inherit :meth:`pieces_out` and :meth:`pieces_in`, which
@@ -179,6 +180,7 @@ def _flat_state(optimizer: torch.optim.Optimizer, opt_param: Tensor) -> dict[str
     }
 
 
+@runtime_checkable
 class CompressingGroup(ZeroGroup, Protocol):
     """A group that can also run 1-bit Adam past its ``freeze_step`` (ZeRO
     stages 0-1): gradients stay local and are exchanged compressed."""
