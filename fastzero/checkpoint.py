@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from fastzero.runtime.checkpoint import CheckpointError, consolidate, read_manifest, resolve
+from fastzero.runtime.checkpoint_io import CheckpointError, consolidate, read_manifest, resolve
 
 __all__ = ["CheckpointError", "consolidate", "main"]
 

@@ -6,6 +6,8 @@ that names the key (as a dotted path), the value and what is allowed: a key
 that does not exist (with a did-you-mean), a value of the wrong type or range,
 a combination that cannot work. A valid DeepSpeed setting that fastzero does
 not implement yet raises :class:`ConfigNotSupported`; nothing is ignored.
+Which optimizer works with which ZeRO stage and with offload is one table,
+:data:`OPTIMIZER_RULES`, which the engine's optimizer builder reads too.
 
     cfg = load_config("ds_config.json", world_size=4)
     cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage, cfg.fp16.enabled
@@ -29,8 +31,16 @@ class ConfigNotSupported(ConfigError):
     """A valid DeepSpeed setting that this version of fastzero does not implement."""
 
 
-def _opt(default: Any, kind: str, *, choices: tuple = (), low: float | None = None, high: float | None = None,
-         low_open: bool = False, nullable: bool = False) -> Any:  # fmt: skip
+def _opt(
+    default: Any,
+    kind: str,
+    *,
+    choices: tuple = (),
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    nullable: bool = False,
+) -> Any:
     """A field with its check: kind is bool, int, float, str, choice or dict."""
     meta = dict(kind=kind, choices=choices, low=low, high=high, low_open=low_open, nullable=nullable)
     if isinstance(default, dict):
@@ -67,8 +77,16 @@ class BF16Config:
 class OffloadConfig:
     device: str = _opt("none", "choice", choices=("none", "cpu", "nvme"))
     pin_memory: bool = _opt(False, "bool")
-    UNSUPPORTED = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio", "pipeline_read",
-                   "pipeline_write")  # fmt: skip
+    UNSUPPORTED = (
+        "nvme_path",
+        "buffer_count",
+        "buffer_size",
+        "max_in_cpu",
+        "fast_init",
+        "ratio",
+        "pipeline_read",
+        "pipeline_write",
+    )
 
 
 @dataclass(frozen=True)
@@ -87,9 +105,19 @@ class ZeroConfig:
     stage3_max_live_parameters: int = _opt(1_000_000_000, "int", low=0)
     stage3_max_reuse_distance: int = _opt(1_000_000_000, "int", low=0)
     stage3_gather_16bit_weights_on_model_save: bool = _opt(False, "bool")
-    UNSUPPORTED = ("sub_group_size", "round_robin_gradients", "elastic_checkpoint", "zero_hpz_partition_size",
-                   "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
-                   "load_from_fp32_weights", "cpu_offload", "memory_efficient_linear")  # fmt: skip
+    UNSUPPORTED = (
+        "sub_group_size",
+        "round_robin_gradients",
+        "elastic_checkpoint",
+        "zero_hpz_partition_size",
+        "zero_quantized_weights",
+        "zero_quantized_gradients",
+        "mics_shard_size",
+        "ignore_unused_parameters",
+        "load_from_fp32_weights",
+        "cpu_offload",
+        "memory_efficient_linear",
+    )
 
 
 OPTIMIZER_PARAMS = {
@@ -106,7 +134,7 @@ OPTIMIZER_PARAMS = {
         max_coeff=10.0,
         min_coeff=0.01,
         eps_inside_sqrt=False,
-    ),  # fmt: skip
+    ),
     "onebitadam": dict(
         lr=1e-3,
         betas=(0.9, 0.999),
@@ -118,20 +146,69 @@ OPTIMIZER_PARAMS = {
         max_grad_norm=0.0,
         comm_backend_name="",  # DeepSpeed's backend choice: accepted and ignored, any torch.distributed backend works
         cuda_aware=False,
-    ),  # fmt: skip
+    ),
 }
 OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam"}
 OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam")
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    """Where an optimizer runs: the ZeRO stages it works with and whether its
+    step can be offloaded to the CPU, each limit with its reason."""
+
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    stages_reason: str = ""
+    offload: bool = True
+    offload_reason: str = ""
+
+
+# What combines with what, by optimizer (OPTIMIZER_NAMES' values): the config check and the engine's optimizer
+# builder (which also sees optimizers a script passes) both read it.
+OPTIMIZER_RULES: dict[str, OptimizerRule] = {
+    "Adam": OptimizerRule(),
+    "AdamW": OptimizerRule(),
+    "Lamb": OptimizerRule(
+        stages=(0,),
+        stages_reason="its trust ratio needs each param whole, and stages 1-3 partition them; use stage 0, or "
+        "Adam/AdamW",
+        offload=False,
+        offload_reason="the CPU step is Adam/AdamW's (CPUAdam)",
+    ),
+    "OneBitAdam": OptimizerRule(
+        stages=(0, 1),
+        stages_reason="after freeze_step each rank needs its whole local gradient, which stages 2-3 reduce and free "
+        "during backward",
+        offload=False,
+        offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
+    ),
+}
+
+
+def check_optimizer(name: str, stage: int, offload: bool) -> None:
+    """Raises :class:`ConfigNotSupported`, with the reason from
+    :data:`OPTIMIZER_RULES`, when optimizer `name` does not work at ZeRO
+    `stage` or with the optimizer offloaded (`offload`)."""
+    rule = OPTIMIZER_RULES[name]
+    if stage not in rule.stages:
+        *rest, last = map(str, rule.stages)
+        stages = f"{', '.join(rest)} or {last}" if rest else last
+        raise ConfigNotSupported(
+            f"{name} works with zero_optimization.stage {stages} (stage is {stage}): {rule.stages_reason}"
+        )
+    if offload and not rule.offload:
+        raise ConfigNotSupported(f"{name} with offload_optimizer: {rule.offload_reason}")
+
 
 SCHEDULER_PARAMS = {
     # DeepSpeed's defaults (deepspeed/runtime/lr_schedules.py); None = required
     "WarmupLR": dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"),
     "WarmupDecayLR": dict(
         total_num_steps=None, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"
-    ),  # fmt: skip
+    ),
     "WarmupCosineLR": dict(
         total_num_steps=None, warmup_min_ratio=0.0, warmup_num_steps=1000, cos_min_ratio=0.0001, warmup_type="log"
-    ),  # fmt: skip
+    ),
     "OneCycle": dict(
         cycle_min_lr=None,
         cycle_max_lr=None,
@@ -145,13 +222,13 @@ SCHEDULER_PARAMS = {
         cycle_min_mom=0.8,
         cycle_max_mom=0.9,
         decay_mom_rate=0.0,
-    ),  # fmt: skip
+    ),
     "LRRangeTest": dict(
         lr_range_test_min_lr=0.001,
         lr_range_test_step_size=2000,
         lr_range_test_step_rate=1.0,
         lr_range_test_staircase=False,
-    ),  # fmt: skip
+    ),
 }
 OPTIONAL_NONE = {"cycle_second_step_size", "cycle_second_stair_count"}  # None means "same as the first"
 
@@ -190,12 +267,34 @@ class Config:
     wall_clock_breakdown: bool = _opt(False, "bool")
     tensorboard: MonitorConfig = _section(MonitorConfig)
     csv_monitor: MonitorConfig = _section(MonitorConfig)
-    UNSUPPORTED = ("wandb", "comet", "flops_profiler", "activation_checkpointing", "sparse_attention", "pipeline",
-                   "elasticity", "autotuning", "compression_training", "data_efficiency", "amp", "aio",
-                   "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
-                   "sparse_gradients", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-                   "memory_breakdown", "dump_state", "checkpoint", "nebula", "curriculum_learning",
-                   "fp8", "seq_parallel_communication_data_type", "tensor_parallel")  # fmt: skip
+    UNSUPPORTED = (
+        "wandb",
+        "comet",
+        "flops_profiler",
+        "activation_checkpointing",
+        "sparse_attention",
+        "pipeline",
+        "elasticity",
+        "autotuning",
+        "compression_training",
+        "data_efficiency",
+        "amp",
+        "aio",
+        "communication_data_type",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "memory_breakdown",
+        "dump_state",
+        "checkpoint",
+        "nebula",
+        "curriculum_learning",
+        "fp8",
+        "seq_parallel_communication_data_type",
+        "tensor_parallel",
+    )
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -387,18 +486,8 @@ def _check_combinations(cfg: Config) -> None:
             "zero_optimization.offload_param needs offload_optimizer.device 'cpu' too: the offloaded param shards are "
             "what the CPU step updates"
         )
-    if cfg.optimizer.type == "Lamb" and zero.stage >= 1:
-        raise ConfigNotSupported(
-            f"optimizer.type 'Lamb' with zero_optimization.stage {zero.stage}: its trust ratio needs each param whole, "
-            "and stages 1-2 partition flat buffers; use stage 0, or Adam/AdamW"
-        )
-    if cfg.optimizer.type == "OneBitAdam" and zero.stage > 1:
-        raise ConfigNotSupported(
-            f"OneBitAdam works with zero_optimization.stage 0 or 1 (stage is {zero.stage}): after freeze_step each "
-            "rank needs its whole local gradient, which stages 2-3 reduce and free during backward"
-        )
-    if cfg.optimizer.type == "OneBitAdam" and zero.offload_optimizer.device != "none":
-        raise ConfigNotSupported("OneBitAdam with offload_optimizer: its compressed step runs where the params are")
+    if cfg.optimizer.type:
+        check_optimizer(cfg.optimizer.type, zero.stage, offload=zero.offload_optimizer.device != "none")
 
 
 def load_config(config: str | Path | dict, world_size: int = 1) -> Config:

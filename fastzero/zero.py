@@ -18,8 +18,15 @@ import functools
 import torch
 import torch.distributed as dist
 
-from fastzero.comm.layout import FlatLayout
-from fastzero.runtime.stage3 import WHOLE, released_like
+from fastzero.comm import FlatLayout, dist_env, init_distributed
+from fastzero.runtime.stage3 import (
+    WHOLE,
+    add_external_param,
+    fetcher_of,
+    is_partitioned,
+    mark_partitioned,
+    released_like,
+)
 
 
 def _all_module_classes(root: type = torch.nn.Module) -> list[type]:
@@ -40,7 +47,7 @@ def partition_param(p: torch.Tensor, world_size: int, rank: int) -> None:
     shard = torch.zeros(hi - lo, dtype=p.dtype, device=p.device)
     n = max(0, min(hi, flat.numel()) - lo)
     shard[:n] = flat[lo : lo + n]
-    p._fz_shard, p._fz_shape = shard, p.shape
+    mark_partitioned(p, shard, p.shape)
     p.data = released_like(p)
 
 
@@ -49,8 +56,16 @@ class Init:
     ``deepspeed.zero.Init``; its other arguments are accepted and ignored).
     Joins the process group from the environment first if needed."""
 
-    def __init__(self, module=None, data_parallel_group=None, config_dict_or_path=None, config=None,
-                 enabled: bool = True, dtype=None, **_ignored) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype=None,
+        **_ignored,
+    ) -> None:
         self.enabled = enabled
         self.group = data_parallel_group
         self._patched: list[tuple[type, object]] = []
@@ -59,11 +74,8 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        if not dist.is_initialized():
-            from fastzero.comm.env import dist_env, init_distributed
-
-            if dist_env().world_size > 1:
-                init_distributed()
+        if not dist.is_initialized() and dist_env().world_size > 1:
+            init_distributed()
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         for cls in _all_module_classes():
@@ -71,38 +83,36 @@ class Init:
                 self._wrap(cls)
         init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
         self._patched.append((torch.nn.Module, ("__init_subclass__", init_subclass)))
-        ctx = self
 
         def __init_subclass__(cls, **kwargs):  # classes defined inside the context are partitioned too
             super(torch.nn.Module, cls).__init_subclass__(**kwargs)
             if "__init__" in cls.__dict__:
-                ctx._wrap(cls)
+                self._wrap(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
         return self
 
     def _wrap(self, cls: type) -> None:
         original = cls.__dict__["__init__"]
-        ctx = self
 
         @functools.wraps(original)
         def __init__(module, *args, **kwargs):
             key = id(module)
-            ctx._depth[key] = ctx._depth.get(key, 0) + 1
+            self._depth[key] = self._depth.get(key, 0) + 1
             try:
                 original(module, *args, **kwargs)
             finally:
-                ctx._depth[key] -= 1
-            if ctx._depth[key] == 0:  # the outermost __init__ of this object: its params are final
-                del ctx._depth[key]
-                ctx._partition(module)
+                self._depth[key] -= 1
+            if self._depth[key] == 0:  # the outermost __init__ of this object: its params are final
+                del self._depth[key]
+                self._partition(module)
 
         cls.__init__ = __init__
         self._patched.append((cls, ("__init__", original)))
 
     def _partition(self, module: torch.nn.Module) -> None:
-        for p in module._parameters.values():
-            if p is None or hasattr(p, "_fz_shard"):
+        for p in module.parameters(recurse=False):
+            if is_partitioned(p):
                 continue
             if self.world > 1:
                 dist.broadcast(p.data, 0, group=self.group)
@@ -120,9 +130,7 @@ class Init:
 def register_external_parameter(module: torch.nn.Module, param: torch.Tensor) -> None:
     """Before or after ``fastzero.initialize``: gather `param` for `module`'s
     forward too (stage 3)."""
-    external = module.__dict__.setdefault("_fz_external", [])
-    if all(p is not param for p in external):
-        external.append(param)
-    fetcher = getattr(module, "_fz_fetcher", None)
+    add_external_param(module, param)
+    fetcher = fetcher_of(module)
     if fetcher is not None:
         fetcher.register_external(module, param)

@@ -2,10 +2,11 @@
 for every key, value or combination that cannot work."""
 
 import json
+import re
 
 import pytest
 
-from fastzero.config import ConfigError, ConfigNotSupported, load_config, to_dict
+from fastzero.config import OPTIMIZER_RULES, ConfigError, ConfigNotSupported, load_config, to_dict
 
 BASE = {"train_micro_batch_size_per_gpu": 4}
 
@@ -22,8 +23,15 @@ def test_defaults_are_deepspeeds():
     assert not c.zero_optimization.overlap_comm
     assert c.zero_optimization.offload_optimizer.device == "none"
     fp16 = c.fp16
-    assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-            fp16.consecutive_hysteresis, fp16.min_loss_scale) == (False, 0.0, 16, 1000, 2, False, 1.0)  # fmt: skip
+    assert (
+        fp16.enabled,
+        fp16.loss_scale,
+        fp16.initial_scale_power,
+        fp16.loss_scale_window,
+        fp16.hysteresis,
+        fp16.consecutive_hysteresis,
+        fp16.min_loss_scale,
+    ) == (False, 0.0, 16, 1000, 2, False, 1.0)
     assert (c.steps_per_print, c.gradient_clipping, c.wall_clock_breakdown) == (10, 0.0, False)
     assert c.tensorboard.job_name == "DeepSpeedJobName"
     json.dumps(to_dict(c))  # plain values throughout
@@ -54,8 +62,11 @@ def test_any_two_batch_sizes_give_the_third(given, world, expected):
 
 def test_inconsistent_batch_sizes_show_the_arithmetic():
     bad = dict(train_batch_size=30, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
-    with pytest.raises(ConfigError, match=r"30 != train_micro_batch_size_per_gpu 4 \* gradient_accumulation_steps 2 "
-                       r"\* world size 2 = 16"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"30 != train_micro_batch_size_per_gpu 4 \* gradient_accumulation_steps 2 "
+        r"\* world size 2 = 16",
+    ):
         load_config(bad, world_size=2)
     with pytest.raises(ConfigError, match="not a multiple"):
         load_config(dict(train_batch_size=30, train_micro_batch_size_per_gpu=4))
@@ -112,6 +123,52 @@ def test_bad_configs_name_the_key_the_value_and_what_is_allowed(config, match):
 def test_valid_deepspeed_settings_not_supported_yet_say_so(config, match):
     with pytest.raises(ConfigNotSupported, match=match):
         load_config(config)
+
+
+def optimizer_combinations() -> tuple[list, list]:
+    """(refused, allowed): every optimizer of OPTIMIZER_RULES at every ZeRO
+    stage, with and without offload_optimizer (which needs stage >= 1), as
+    (name, stage, offload, the reason from the table or None)."""
+    refused, allowed = [], []
+    for name, rule in OPTIMIZER_RULES.items():
+        for stage in range(4):
+            for offload in (False, True) if stage >= 1 else (False,):
+                if stage not in rule.stages:
+                    refused.append((name, stage, offload, rule.stages_reason))
+                elif offload and not rule.offload:
+                    refused.append((name, stage, offload, rule.offload_reason))
+                else:
+                    allowed.append((name, stage, offload, None))
+    return refused, allowed
+
+
+REFUSED, ALLOWED = optimizer_combinations()
+
+
+def zero_section(stage: int, offload: bool) -> dict:
+    return {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+
+
+def test_the_optimizer_table_says_what_combines():
+    refused = {(n, s, o) for n, s, o, _ in REFUSED}
+    assert ("Lamb", 1, False) in refused and ("OneBitAdam", 2, False) in refused and ("OneBitAdam", 1, True) in refused
+    assert ("Adam", 3, True, None) in ALLOWED and ("OneBitAdam", 1, False, None) in ALLOWED
+    assert all(reason for *_, reason in REFUSED)
+
+
+@pytest.mark.parametrize("name, stage, offload, reason", REFUSED)
+def test_each_refused_optimizer_combination_names_the_reason_from_the_table(name, stage, offload, reason):
+    config = cfg(optimizer={"type": name}, zero_optimization=zero_section(stage, offload))
+    with pytest.raises(ConfigNotSupported, match=re.escape(reason)) as info:
+        load_config(config)
+    expected = f"stage is {stage}" if stage not in OPTIMIZER_RULES[name].stages else "offload_optimizer"
+    assert name in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize("name, stage, offload, reason", ALLOWED)
+def test_allowed_optimizer_combinations_load(name, stage, offload, reason):
+    c = load_config(cfg(optimizer={"type": name}, zero_optimization=zero_section(stage, offload)))
+    assert c.optimizer.type == name and c.zero_optimization.stage == stage
 
 
 def test_optimizer_names_and_params():

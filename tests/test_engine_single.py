@@ -2,6 +2,7 @@
 takes over, param groups, schedules, monitoring and its errors."""
 
 import csv
+import re
 
 import pytest
 import torch
@@ -10,11 +11,15 @@ import fastzero
 from fastzero.comm import FlatLayout
 from fastzero.comm.layout import ALIGN
 from fastzero.config import ConfigError, ConfigNotSupported
+from fastzero.ops import FusedLamb
+from fastzero.runtime.onebit_adam import OneBitAdam
+from tests.test_config import REFUSED, zero_section
 from tests.workers.train_zero import make_model
 
 
-@pytest.mark.parametrize("numels, world, bucket", [([5, 700, 33, 1], 2, 256), ([4096], 4, 1000), ([3], 3, 10**9),
-                                                    ([100] * 20, 4, 64)])  # fmt: skip
+@pytest.mark.parametrize(
+    "numels, world, bucket", [([5, 700, 33, 1], 2, 256), ([4096], 4, 1000), ([3], 3, 10**9), ([100] * 20, 4, 64)]
+)
 def test_layout_covers_every_element_once(numels, world, bucket):
     lay = FlatLayout(numels, world, bucket)
     assert lay.numel == sum(numels) and lay.total % (world * ALIGN) == 0
@@ -50,8 +55,10 @@ def batches(n, seed=3):
 @pytest.mark.parametrize("client", ["Adam", "AdamW", "factory"])
 def test_a_torch_optimizer_is_taken_over_with_its_math(client):
     model, ref = make_model(), make_model()
-    groups = lambda m: [{"params": list(m[0].parameters()), "weight_decay": 0.2},
-                        {"params": list(m[2].parameters()) + list(m[3].parameters()), "lr": 3e-3}]  # fmt: skip
+    groups = lambda m: [
+        {"params": list(m[0].parameters()), "weight_decay": 0.2},
+        {"params": list(m[2].parameters()) + list(m[3].parameters()), "lr": 3e-3},
+    ]
     cls = torch.optim.Adam if client == "Adam" else torch.optim.AdamW
     opt = (lambda params: cls(params, lr=1e-2)) if client == "factory" else cls(groups(model), lr=1e-2)
     config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}}
@@ -70,8 +77,10 @@ def test_a_torch_optimizer_is_taken_over_with_its_math(client):
 
 
 def test_config_scheduler_drives_the_engine_lr():
-    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
-                                            "warmup_type": "linear"}}  # fmt: skip
+    sched = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+    }
     engine, _, _, lr_scheduler = fastzero.initialize(model=make_model(), config=cfg(scheduler=sched))
     lrs = []
     for x, y in batches(5):
@@ -84,8 +93,11 @@ def test_config_scheduler_drives_the_engine_lr():
 
 
 def test_monitor_writes_csv_every_steps_per_print(tmp_path):
-    config = cfg(steps_per_print=2, wall_clock_breakdown=True,
-                 csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "job"})  # fmt: skip
+    config = cfg(
+        steps_per_print=2,
+        wall_clock_breakdown=True,
+        csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "job"},
+    )
     engine, *_ = fastzero.initialize(model=make_model(), config=config)
     for x, y in batches(5):
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
@@ -120,25 +132,62 @@ def test_tensorboard_logs_deepspeed_tags(tmp_path):
         (dict(config={"train_micro_batch_size_per_gpu": 8}), ConfigError, "no optimizer"),
         (dict(config=cfg(), optimizer=torch.optim.SGD), ConfigError, "keep one"),
         (dict(config={"train_micro_batch_size_per_gpu": 8}, optimizer="sgd"), ConfigError, "callable"),
-        (dict(config=cfg(optimizer={"type": "Lamb"}, zero_optimization={"stage": 2})), ConfigNotSupported,
-         "trust ratio"),
-        (dict(config=cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}})), ConfigError,
-         "offload_param needs offload_optimizer"),
-        (dict(config=cfg(optimizer={"type": "OneBitAdam"}, zero_optimization={"stage": 2})), ConfigNotSupported,
-         "OneBitAdam works with zero_optimization.stage 0 or 1"),
+        (
+            dict(config=cfg(optimizer={"type": "Lamb"}, zero_optimization={"stage": 2})),
+            ConfigNotSupported,
+            "trust ratio",
+        ),
+        (
+            dict(config=cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}})),
+            ConfigError,
+            "offload_param needs offload_optimizer",
+        ),
+        (
+            dict(config=cfg(optimizer={"type": "OneBitAdam"}, zero_optimization={"stage": 2})),
+            ConfigNotSupported,
+            "OneBitAdam works with zero_optimization.stage 0 or 1",
+        ),
         (dict(config=cfg(optimizer={"type": "AdamW", "params": {"lr": -1}})), ConfigError, "lr = -1"),
     ],
-)  # fmt: skip
+)
 def test_initialize_errors_name_the_problem(kwargs, error, match):
     with pytest.raises(error, match=match):
         fastzero.initialize(model=make_model(), **kwargs)
 
 
+CLIENT_OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Lamb": FusedLamb, "OneBitAdam": OneBitAdam}
+
+
+@pytest.mark.parametrize("name, stage, offload, reason", REFUSED)
+def test_a_passed_optimizer_is_held_to_the_same_table(name, stage, offload, reason):
+    """The optimizer builder reads fastzero.config.OPTIMIZER_RULES too: an
+    optimizer the script passes (which the config check never sees) is
+    refused with the same reason."""
+    model = make_model()
+    client = CLIENT_OPTIMIZERS[name](model.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": zero_section(stage, offload)}
+    with pytest.raises(ConfigNotSupported, match=re.escape(reason)):
+        fastzero.initialize(model=model, optimizer=client, config=config)
+
+
+def test_take_timers_reads_the_phase_times_and_restarts_them():
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg())
+    for x, y in batches(2):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    times = engine.take_timers()
+    assert set(times) == {"forward", "backward", "step"} and all(t > 0 for t in times.values())
+    assert engine.take_timers() == dict.fromkeys(times, 0.0)
+
+
 def test_unsupported_client_optimizer_is_refused():
     model = make_model()
     with pytest.raises(ConfigNotSupported, match="SGD"):
-        fastzero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                            config={"train_micro_batch_size_per_gpu": 8})  # fmt: skip
+        fastzero.initialize(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            config={"train_micro_batch_size_per_gpu": 8},
+        )
 
 
 def test_loss_backward_instead_of_engine_backward_is_caught():

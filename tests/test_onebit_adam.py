@@ -5,13 +5,16 @@ the bytes after freeze_step, and a checkpoint after freeze_step that resumes
 the same run."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from fastzero.config import ConfigError, ConfigNotSupported, load_config
-from fastzero.ops import FusedAdam, OneBitAdam
+from fastzero.ops import FusedAdam
 from fastzero.ops.reference import onebit as ref
+from fastzero.runtime.onebit_adam import OneBitAdam
 from tests.dist import run_ranks
 from tests.test_zero_engine import WORKER
 
@@ -82,6 +85,37 @@ def test_warmup_is_adamw_then_the_compressed_step_is_its_reference():
     assert opt.steps_done == freeze + 6
 
 
+def test_it_lives_in_the_runtime_and_ops_re_exports_it_lazily():
+    """OneBitAdam needs process groups: fastzero.runtime holds it, and
+    ``from fastzero.ops import OneBitAdam`` still works without importing
+    ops pulling in the runtime."""
+    import fastzero.ops
+
+    assert fastzero.ops.OneBitAdam is OneBitAdam
+    code = "import sys, fastzero.ops; assert 'fastzero.runtime' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchOptimizer'"):
+        fastzero.ops.NoSuchOptimizer  # noqa: B018
+
+
+def test_attach_engine_hands_over_the_collectives_and_clipping():
+    """Under the engine the optimizer only updates: max_grad_norm is the
+    engine's gradient_clipping, so steps with large gradients are AdamW's
+    (and on its own it clips: they are not)."""
+    for attached in (False, True):
+        model, twin = _model(), _model()
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=5, max_grad_norm=1e-3)
+        adam = FusedAdam(twin.parameters(), lr=1e-2)
+        if attached:
+            opt.attach_engine(opt.comm, exchange_momentum=True)
+        for step in range(2):  # two steps: clipping each by its own factor changes the direction
+            for m, o in ((model, opt), (twin, adam)):
+                _grads(m, step)
+                o.step()
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+        assert same == attached
+
+
 def test_elements_without_a_warmup_gradient_and_frozen_params_stay_put():
     """An embedding row no warm-up batch used has a frozen variance of 0:
     compression gives its momentum +-scale, which must not move it (it would
@@ -149,11 +183,12 @@ def test_an_overflow_skips_the_step_and_keeps_the_errors():
     for step in range(3):
         _grads(model, step)
         opt.step()
-    before = ([p.detach().clone() for p in model.parameters()], opt._errors[0][0].clone(), opt.steps_done)
+    worker_error = lambda: opt.error_state()["errors"][0][0]
+    before = ([p.detach().clone() for p in model.parameters()], worker_error(), opt.steps_done)
     _grads(model, 3)
     opt.step(found_inf=1.0)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before[0]))
-    assert torch.equal(opt._errors[0][0], before[1]) and opt.steps_done == before[2]
+    assert torch.equal(worker_error(), before[1]) and opt.steps_done == before[2]
 
 
 @pytest.mark.parametrize(
@@ -174,8 +209,11 @@ def test_bad_arguments_name_the_problem(kwargs, match):
 
 
 def _cfg(stage=0, **params):
-    return {"train_batch_size": 8, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "OneBitAdam", "params": params}}  # fmt: skip
+    return {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "OneBitAdam", "params": params},
+    }
 
 
 @pytest.mark.parametrize(
@@ -258,9 +296,16 @@ def test_bf16_and_fp16_and_standalone_converge(tmp_path):
         dict(name="alone_scaled", optimizer="OneBitAdam", standalone=True, rank_scale=True, steps=STEPS),
         # gradients far below fp16's normal range once unscaled: only the loss scale keeps them
         dict(name="adam_small", optimizer="AdamW", loss_mult=1e-6, steps=STEPS),
-        dict(name="fp16_small", optimizer="OneBitAdam", dtype="fp16", stage=1, scale_power=20, loss_mult=1e-6,
-             steps=STEPS),
-    ]  # fmt: skip
+        dict(
+            name="fp16_small",
+            optimizer="OneBitAdam",
+            dtype="fp16",
+            stage=1,
+            scale_power=20,
+            loss_mult=1e-6,
+            steps=STEPS,
+        ),
+    ]
     load = _train(tmp_path, "precisions", runs)
     adam = load("adam")
     for run in ("bf16", "fp16", "alone"):

@@ -1,5 +1,6 @@
-"""fastzero's thin ZeRO runtime: the engine (stages 0-2), the loss scaler,
-learning-rate schedules, checkpoints and monitoring."""
+"""fastzero's thin ZeRO runtime: the engine (stages 0-3), its ZeRO groups, the
+loss scaler, learning-rate schedules, checkpoints, monitoring, and the
+optimizers that need process groups (1-bit Adam)."""
 
 from fastzero.runtime.engine import Engine, initialize
 

@@ -1,6 +1,10 @@
 """The training engine ``fastzero.initialize`` returns: DeepSpeed's engine API
 (``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``,
-``save_checkpoint``/``load_checkpoint``) over ZeRO stages 0-2.
+``save_checkpoint``/``load_checkpoint``) over ZeRO stages 0-3. Each param
+group is a :class:`~fastzero.runtime.groups.ZeroGroup` (stages 0-2:
+:class:`~fastzero.runtime.partition.FlatGroup`; stage 3:
+:class:`~fastzero.runtime.stage3.Stage3Group`), and the engine calls only
+what that interface declares.
 
 The engine is thin: the layout and collectives are :mod:`fastzero.comm`'s,
 the update is a fused optimizer's (one pass: unscale by the loss scale, the
@@ -24,13 +28,14 @@ from torch import Tensor
 
 from fastzero.comm import Comm, dist_env, init_distributed
 from fastzero.config import Config, ConfigError, load_config
-from fastzero.ops import OneBitAdam
+from fastzero.runtime.groups import ZeroGroup
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
-from fastzero.runtime.optimizer import build_optimizer
+from fastzero.runtime.onebit_adam import OneBitAdam
+from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
-from fastzero.runtime.stage3 import ParamFetcher, Stage3Group
+from fastzero.runtime.stage3 import ParamFetcher, Stage3Group, is_partitioned
 
 
 def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -> list[dict]:
@@ -61,12 +66,20 @@ def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -
 class Engine:
     """Trains `module` data-parallel with ZeRO; built by :func:`initialize`."""
 
-    def __init__(self, module: torch.nn.Module, config: Config, *, model_parameters=None, optimizer=None,
-                 lr_scheduler=None, comm: Comm | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: Config,
+        *,
+        model_parameters=None,
+        optimizer=None,
+        lr_scheduler=None,
+        comm: Comm | None = None,
+    ) -> None:
         self.config = cfg = config
         self.comm = comm or Comm()
         self.stage = cfg.zero_optimization.stage
-        partitioned = [n for n, p in module.named_parameters() if hasattr(p, "_fz_shard")]
+        partitioned = [n for n, p in module.named_parameters() if is_partitioned(p)]
         if partitioned and self.stage != 3:
             raise ConfigError(
                 f"{partitioned[0]} (and {len(partitioned) - 1} more) were partitioned by fastzero.zero.Init: train "
@@ -84,25 +97,51 @@ class Engine:
             zero.reduce_bucket_size if self.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
         )
         overlap = zero.overlap_comm or self.stage == 0  # DDP-style stage 0 always overlaps
+        self.groups: list[ZeroGroup]
         if self.stage == 3:
             threshold = zero.stage3_param_persistence_threshold
             offload = zero.offload_param
-            self.groups = [Stage3Group(g["params"], [names[id(p)] for p in g["params"]], comm=self.comm,
-                                       persistence_threshold=threshold, offload=offload.device == "cpu",
-                                       pin_memory=offload.pin_memory) for g in groups]  # fmt: skip
-            self.fetcher = ParamFetcher(self.module, self.groups, prefetch_elements=zero.stage3_prefetch_bucket_size,
-                                        max_live=zero.stage3_max_live_parameters,
-                                        max_reuse=zero.stage3_max_reuse_distance)  # fmt: skip
+            self.groups = [
+                Stage3Group(
+                    g["params"],
+                    [names[id(p)] for p in g["params"]],
+                    comm=self.comm,
+                    persistence_threshold=threshold,
+                    offload=offload.device == "cpu",
+                    pin_memory=offload.pin_memory,
+                )
+                for g in groups
+            ]
+            self.fetcher = ParamFetcher(
+                self.module,
+                self.groups,
+                prefetch_elements=zero.stage3_prefetch_bucket_size,
+                max_live=zero.stage3_max_live_parameters,
+                max_reuse=zero.stage3_max_reuse_distance,
+            )
         else:
-            self.groups = [FlatGroup(g["params"], [names[id(p)] for p in g["params"]], stage=self.stage,
-                                     comm=self.comm, bucket_size=bucket, overlap=overlap) for g in groups]  # fmt: skip
+            self.groups = [
+                FlatGroup(
+                    g["params"],
+                    [names[id(p)] for p in g["params"]],
+                    stage=self.stage,
+                    comm=self.comm,
+                    bucket_size=bucket,
+                    overlap=overlap,
+                )
+                for g in groups
+            ]
             self.fetcher = None
-        self.optimizer = build_optimizer(cfg, groups, [g.optimizer_params() for g in self.groups], optimizer,
-                                         master_weights=self.dtype != torch.float32)  # fmt: skip
+        self.optimizer = build_optimizer(
+            cfg,
+            groups,
+            [g.optimizer_params() for g in self.groups],
+            optimizer,
+            master_weights=self.dtype != torch.float32,
+        )
         self.onebit = isinstance(self.optimizer, OneBitAdam)
         if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
-            self.optimizer.managed, self.optimizer.comm = True, self.comm
-            self.optimizer.exchange_momentum = self.stage == 0
+            self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = loss_scaler_from_config(cfg.fp16) if cfg.fp16.enabled else None
         self._hooks = [
@@ -113,6 +152,7 @@ class Engine:
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self.grad_norm: float | None = None
         self.last_loss: Tensor | None = None
+        # seconds spent in each phase since take_timers() (and when the last backward ended, for tests)
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0, "backward_end": 0.0}
         self.monitor = Monitor(cfg, rank=self.comm.rank)
 
@@ -120,8 +160,11 @@ class Engine:
     def _sync_module_state(self) -> None:
         """Every rank starts from rank 0's params and buffers."""
         if self.comm.world_size > 1:
-            handles = [self.comm.broadcast(t.data, 0, "init") for t in self.module.state_dict().values()
-                       if isinstance(t, Tensor)]  # fmt: skip
+            handles = [
+                self.comm.broadcast(t.data, 0, "init")
+                for t in self.module.state_dict().values()
+                if isinstance(t, Tensor)
+            ]
             for h in handles:
                 h.wait()
 
@@ -183,25 +226,10 @@ class Engine:
         except RuntimeError as exc:
             if self.fetcher is None:
                 raise
-            raise RuntimeError(self._stage3_hint(exc)) from exc
+            # which partitioned params the forward may have used outside their own module's forward
+            raise RuntimeError(f"{exc}\n\n{self.fetcher.hint()}") from exc
         self.timers["forward"] += time.perf_counter() - start
         return out
-
-    def _stage3_hint(self, exc: Exception) -> str:
-        """Names the partitioned params a failing forward may have used
-        outside their own module's forward (where stage 3 gathers them)."""
-        active = self.fetcher.active[-1] if self.fetcher.active else self.module
-        own = {id(u) for u in self.fetcher.needs.get(active, [])}
-        inside = {id(p) for p in active.parameters()}
-        names = [u.name for u in self.fetcher.unit_of.values()
-                 if id(u.param) in inside and id(u) not in own and not u.gathered]  # fmt: skip
-        where = self.fetcher.names.get(active, "") or "the model"
-        return (
-            f"{exc}\n\nfastzero ZeRO stage 3: this error came from the forward of {where!r}. If it uses a param "
-            f"outside the forward of the module that owns it (released params are empty there), e.g. "
-            f"{', '.join(names[:5]) or 'a param of another module'}, register it with "
-            "engine.register_external_parameter(module, param) so it is gathered for that module."
-        )
 
     def register_external_parameter(self, module: torch.nn.Module, param: Tensor) -> None:
         """Stage 3: `module`'s forward uses `param` although another module
@@ -293,7 +321,7 @@ class Engine:
         """1-bit Adam past freeze_step: the root mean square over ranks of
         each rank's local gradient norm (one tiny all-reduce; non-finite on
         any rank makes it non-finite everywhere)."""
-        sumsq = sum(float(torch.linalg.vector_norm(g.flat_grad, dtype=torch.float32) ** 2) for g in self.groups)
+        sumsq = sum(float(torch.linalg.vector_norm(g.local_grads(), dtype=torch.float32) ** 2) for g in self.groups)
         (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq / self.comm.world_size) if sumsq >= 0 else float("nan")
 
@@ -307,6 +335,14 @@ class Engine:
 
     def get_global_grad_norm(self) -> float | None:
         return self.grad_norm
+
+    def take_timers(self, keys: Iterable[str] = ("forward", "backward", "step")) -> dict[str, float]:
+        """The seconds spent in each phase of `keys` since the last call
+        (summed over micro-batches and steps), restarting them from zero."""
+        out = {}
+        for key in keys:
+            out[key], self.timers[key] = self.timers[key], 0.0
+        return out
 
     @property
     def loss_scale(self) -> float:
@@ -327,15 +363,14 @@ class Engine:
         buffers. The values add up to the rank's model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
+        if self.onebit:  # error feedback: the optimizer's (stage 0) and the groups' (stage 1, added below)
+            out["compression_errors"] = self.optimizer.error_bytes()
         offloaded = getattr(self.optimizer, "offloaded_bytes", None)
         if offloaded is not None:  # ZeRO-Offload: master and state in CPU memory, not on the device
             out.update({f"offload_{k}": v for k, v in offloaded().items()})
         for g in self.groups:
             for key, value in g.memory().items():
                 out[key] = out.get(key, 0) + value
-        if self.onebit:  # error feedback: the optimizer's (stage 0) or the groups' (stage 1)
-            groups = sum(nbytes(g.compress_error) for g in self.groups if g.compress_error is not None)
-            out["compression_errors"] = self.optimizer.error_bytes() + groups
         for state in () if offloaded is not None else self.optimizer.state.values():
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:
@@ -362,8 +397,11 @@ class Engine:
         ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed; returns
         whether it was saved."""
         if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            warnings.warn("save_16bit_model at stage 3 needs zero_optimization."
-                          "stage3_gather_16bit_weights_on_model_save: true; nothing saved", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "save_16bit_model at stage 3 needs zero_optimization."
+                "stage3_gather_16bit_weights_on_model_save: true; nothing saved",
+                stacklevel=2,
+            )
             return False
         with self.gathered() as module:
             state = (
@@ -382,21 +420,30 @@ class Engine:
         yield
 
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
-        from fastzero.runtime.checkpoint import save_checkpoint
+        from fastzero.runtime.checkpoint_io import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True):  # fmt: skip
-        from fastzero.runtime.checkpoint import load_checkpoint
+    def load_checkpoint(
+        self, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+    ):
+        from fastzero.runtime.checkpoint_io import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
 
-def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
-               model_parameters: Iterable | None = None, training_data=None, lr_scheduler=None,
-               config: str | dict | None = None, config_params: dict | None = None, collate_fn=None,
-               dist_init_required: bool | None = None):  # fmt: skip
+def initialize(
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    model_parameters: Iterable | None = None,
+    training_data=None,
+    lr_scheduler=None,
+    config: str | dict | None = None,
+    config_params: dict | None = None,
+    collate_fn=None,
+    dist_init_required: bool | None = None,
+):
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader,
     lr_scheduler)``. Joins the process group from the launcher's environment
     when there is more than one rank and none exists yet."""
@@ -412,13 +459,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None,
         init_distributed()
     comm = Comm()
     cfg = load_config(config, world_size=comm.world_size)
-    engine = Engine(model, cfg, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                    comm=comm)  # fmt: skip
+    engine = Engine(
+        model, cfg, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, comm=comm
+    )
     loader = None
     if training_data is not None:
         sampler = None
         if comm.world_size > 1:
             sampler = torch.utils.data.DistributedSampler(training_data, comm.world_size, comm.rank)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,
-                                             sampler=sampler, collate_fn=collate_fn)  # fmt: skip
+        loader = torch.utils.data.DataLoader(
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+        )
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -101,7 +101,9 @@ def loss_scaler_from_config(fp16: FP16Config) -> StaticLossScaler | DynamicLossS
     if fp16.loss_scale > 0:
         return StaticLossScaler(fp16.loss_scale)
     return DynamicLossScaler(
-        init_scale=2.0**fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
-        min_scale=fp16.min_loss_scale, hysteresis=fp16.hysteresis,
+        init_scale=2.0**fp16.initial_scale_power,
+        scale_window=fp16.loss_scale_window,
+        min_scale=fp16.min_loss_scale,
+        hysteresis=fp16.hysteresis,
         consecutive_hysteresis=fp16.consecutive_hysteresis,
-    )  # fmt: skip
+    )

@@ -84,9 +84,8 @@ class Monitor:
             peak_memory_mb=peak_memory_bytes(engine.device) / 2**20,
         )
         if self.breakdown:
-            for key in ("forward", "backward", "step"):
-                row[f"{key}_ms"] = 1e3 * engine.timers[key] / self._steps_since
-                engine.timers[key] = 0.0
+            for key, seconds in engine.take_timers(("forward", "backward", "step")).items():
+                row[f"{key}_ms"] = 1e3 * seconds / self._steps_since
         self._steps_since = 0
         self.history.append(row)
         if self.rank != 0:

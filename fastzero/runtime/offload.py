@@ -81,8 +81,9 @@ class OffloadedAdam(CPUAdam):
         self.dtype = first.dtype
         # staging on the CPU: the grads that come in, and (low precision) the param copy the kernel writes
         self.grad_in = {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
-        self.param_out = None if first.dtype == torch.float32 else {
-            m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}  # fmt: skip
+        self.param_out = (
+            None if first.dtype == torch.float32 else {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
+        )
 
     def sync_device_params(self) -> None:
         """The device tensors from the masters (after a checkpoint load)."""
@@ -97,8 +98,7 @@ class OffloadedAdam(CPUAdam):
             hp = AdamHyperparams.from_group(group)  # checks them too
             total = sum(m.numel() for m in group["params"])
             chunk = self.chunk or min(CHUNK, max(MIN_CHUNK, -(-total // PIECES)))
-            pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"]
-                      for lo in range(0, m.numel(), chunk)]  # fmt: skip
+            pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"] for lo in range(0, m.numel(), chunk)]
             if not pieces:
                 continue
             group["step"] = int(group.get("step", 0)) + 1

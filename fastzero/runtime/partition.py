@@ -10,24 +10,27 @@ its shard of the gradient, the fp32 master and the optimizer state.
 * stage 2: no full gradient buffer; each gradient is copied into a pooled
   bucket as backward produces it and freed, and the bucket reduce-scattered
   (accumulating over micro-batches) into the shard.
+
+It implements :class:`~fastzero.runtime.groups.ZeroGroup` (and, for 1-bit
+Adam, :class:`~fastzero.runtime.groups.CompressingGroup`).
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fastzero.comm.buckets import GradReducer, gather_params
-from fastzero.comm.collectives import Comm
-from fastzero.comm.compressed import compressed_reduce_scatter
-from fastzero.comm.layout import FlatLayout
+from fastzero.comm import Comm, FlatLayout, GradReducer, Handle, compressed_reduce_scatter, gather_params
+from fastzero.runtime.groups import CompressingGroup, Piece
 
 
-class FlatGroup:
-    def __init__(self, params: list[Tensor], names: list[str], *, stage: int, comm: Comm, bucket_size: int,
-                 overlap: bool) -> None:  # fmt: skip
+class FlatGroup(CompressingGroup):
+    def __init__(
+        self, params: list[Tensor], names: list[str], *, stage: int, comm: Comm, bucket_size: int, overlap: bool
+    ) -> None:
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.shapes = [p.shape for p in params]
         world, self.rank = (comm.world_size, comm.rank) if stage >= 1 else (1, 0)
@@ -41,11 +44,12 @@ class FlatGroup:
             p.data = view
         # the flat gradient buffer (stages 0-1) or the gradient shard (1-2)
         self.flat_grad = torch.zeros_like(self.flat) if stage <= 1 else None
-        self.grad_shard = None if stage == 0 else torch.zeros(self.layout.shard_size, dtype=self.dtype,
-                                                              device=self.device)  # fmt: skip
+        self.grad_shard = (
+            None if stage == 0 else torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        )
         mode = "all_reduce" if stage == 0 else "reduce_scatter"
         self.reducer = GradReducer(comm, self.layout, mode, shard=self.grad_shard, flat=self.flat_grad, overlap=overlap)
-        self.compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major
+        self._compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major
         self.attach_grads()
 
     def _view(self, flat: Tensor, i: int) -> Tensor:
@@ -93,7 +97,10 @@ class FlatGroup:
     def memory(self) -> dict[str, int]:
         nbytes = lambda t: t.numel() * t.element_size()
         grads = self.flat_grad if self.flat_grad is not None else self.grad_shard
-        return dict(params=nbytes(self.flat), grads=nbytes(grads), grad_buckets=self.reducer.buffer_bytes())
+        out = dict(params=nbytes(self.flat), grads=nbytes(grads), grad_buckets=self.reducer.buffer_bytes())
+        if self._compress_error is not None:
+            out["compression_errors"] = nbytes(self._compress_error)
+        return out
 
     def optimizer_params(self) -> list[Tensor]:
         """What the optimizer updates, each with its ``.grad`` set: the model's
@@ -111,6 +118,10 @@ class FlatGroup:
     def grads(self) -> Tensor:
         """This rank's reduced gradient (summed over ranks, not yet averaged)."""
         return self.flat_grad if self.stage == 0 else self.grad_shard
+
+    def local_grads(self) -> Tensor:
+        """Stages 0-1: this rank's own gradients, before any reduction."""
+        return self.flat_grad
 
     def compressed_reduce(self, divisor: float) -> None:
         """Stage 1 past 1-bit Adam's freeze_step: the grad shard becomes the
@@ -130,26 +141,35 @@ class FlatGroup:
                 self.flat_grad[b.start : b.start + b.size].view(world, b.chunk)
             )
         send.mul_(1.0 / divisor)
-        if self.compress_error is None:
-            self.compress_error = torch.zeros_like(send)
-        average = compressed_reduce_scatter(send, self.compress_error, self.comm, tag="onebit")
+        if self._compress_error is None:
+            self._compress_error = torch.zeros_like(send)
+        average = compressed_reduce_scatter(send, self._compress_error, self.comm, tag="onebit")
         self.grad_shard.copy_(average.mul_(divisor))
 
     def zero_grads(self) -> None:
         if self.flat_grad is not None:
             self.flat_grad.zero_()
 
-    def gather(self) -> list:
+    def gather(self) -> list[Handle]:
         return [] if self.stage == 0 else gather_params(self.comm, self.layout, self.flat)
 
-    def owned(self, opt_params: list[Tensor]) -> list[tuple[str, int, int, Tensor, int]]:
-        """(param name, lo, hi, optimizer param, offset in it) for every piece
-        of a param whose master and optimizer state this rank holds."""
+    # -- state ---------------------------------------------------------------------------
+    def owned(self, opt_params: list[Tensor]) -> list[Piece]:
+        """Stage 0: every param whole (one optimizer tensor each); stages
+        1-2: the rank's segments of the flat buffer, within the chunk of each
+        bucket that it owns (one optimizer tensor per bucket)."""
         if self.stage == 0:
-            return [(self.names[i], 0, p.numel(), opt_params[i], 0) for i, p in enumerate(self.params)]
+            return [Piece(self.names[i], 0, p.numel(), opt_params[i], 0) for i, p in enumerate(self.params)]
         starts = [b.shard_start for b in self.layout.buckets]
         out = []
         for s in self.layout.segments(self.rank):
             b = self.layout.buckets[bisect.bisect_right(starts, s.shard_offset) - 1]
-            out.append((self.names[s.param], s.lo, s.hi, opt_params[b.index], s.shard_offset - b.shard_start))
+            out.append(Piece(self.names[s.param], s.lo, s.hi, opt_params[b.index], s.shard_offset - b.shard_start))
         return out
+
+    def rank_state(self) -> Any:
+        """1-bit Adam at stage 1: this rank's error-feedback buffer (on the CPU), else None."""
+        return None if self._compress_error is None else self._compress_error.cpu()
+
+    def load_rank_state(self, state: Any) -> None:
+        self._compress_error = None if state is None else state.to(self.device)

@@ -17,18 +17,24 @@ changes (another code path), it stops prefetching and records again.
 Gradients are reduce-scattered into each unit's chunk of the gradient shard
 as backward produces them (the stage 2 reducer, one per param, sharing one
 buffer pool); the param is released as soon as its gradient is out.
+
+:class:`Stage3Group` implements :class:`~fastzero.runtime.groups.ZeroGroup`.
+The marks stage 3 leaves on the user's params and modules (a param's chunk
+from ``fastzero.zero.Init``, a module's external params, its fetcher) are
+read and written only through the helpers at the end of this module.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fastzero.comm.buckets import BufferPool, GradReducer
-from fastzero.comm.collectives import Comm
-from fastzero.comm.layout import FlatLayout
+from fastzero.comm import Comm, FlatLayout, GradReducer, Handle
+from fastzero.comm.buckets import BufferPool  # not among fastzero.comm's public names (yet)
+from fastzero.runtime.groups import Piece, ZeroGroup
 
 WHOLE = 1 << 62  # one bucket per param
 
@@ -41,8 +47,17 @@ class Unit:
     """One param, partitioned: `shard` is this rank's chunk, `full` the
     gathered param (None while released)."""
 
-    def __init__(self, param: Tensor, name: str, shape: torch.Size, comm: Comm, shard: Tensor, grad_shard: Tensor,
-                 pool: BufferPool, persistent: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        param: Tensor,
+        name: str,
+        shape: torch.Size,
+        comm: Comm,
+        shard: Tensor,
+        grad_shard: Tensor,
+        pool: BufferPool,
+        persistent: bool,
+    ) -> None:
         self.param, self.name, self.shape, self.comm = param, name, shape, comm
         self.device = grad_shard.device  # where the whole param lives (the shard may be offloaded to the CPU)
         self.layout = FlatLayout([shape.numel()], comm.world_size, WHOLE)
@@ -81,14 +96,22 @@ class Unit:
             self.full = None
 
 
-class Stage3Group:
+class Stage3Group(ZeroGroup):
     """One param group at stage 3: its units, their shard and gradient
     shard buffers, and what the optimizer updates (each unit's chunk)."""
 
-    def __init__(self, params: list[Tensor], names: list[str], *, comm: Comm, persistence_threshold: int,
-                 offload: bool = False, pin_memory: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: list[Tensor],
+        names: list[str],
+        *,
+        comm: Comm,
+        persistence_threshold: int,
+        offload: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
         self.params, self.names, self.comm, self.stage = params, names, comm, 3
-        self.shapes = [getattr(p, "_fz_shape", p.shape) for p in params]
+        self.shapes = [logical_shape(p) for p in params]
         self.dtype, self.device = params[0].dtype, params[0].device
         layouts = [FlatLayout([s.numel()], comm.world_size, WHOLE) for s in self.shapes]
         sizes = [lay.shard_size for lay in layouts]
@@ -101,9 +124,16 @@ class Stage3Group:
         self.units: list[Unit] = []
         offset = 0
         for p, name, shape, lay, size in zip(params, names, self.shapes, layouts, sizes):
-            unit = Unit(p, name, shape, comm, self.shard[offset : offset + size],
-                        self.grad_shard[offset : offset + size], self.pool,
-                        persistent=shape.numel() < persistence_threshold)  # fmt: skip
+            unit = Unit(
+                p,
+                name,
+                shape,
+                comm,
+                self.shard[offset : offset + size],
+                self.grad_shard[offset : offset + size],
+                self.pool,
+                persistent=shape.numel() < persistence_threshold,
+            )
             offset += size
             self._partition(unit, lay)
             self.units.append(unit)
@@ -111,10 +141,9 @@ class Stage3Group:
 
     def _partition(self, unit: Unit, lay: FlatLayout) -> None:
         p = unit.param
-        pre = getattr(p, "_fz_shard", None)  # partitioned at construction by fastzero.zero.Init
+        pre = take_init_shard(p)  # partitioned at construction by fastzero.zero.Init
         if pre is not None:
             unit.shard.copy_(pre)
-            del p._fz_shard
         else:
             lo, hi = lay.buckets[0].owned(self.comm.rank)
             flat = p.detach().reshape(-1)
@@ -158,14 +187,25 @@ class Stage3Group:
     def zero_grads(self) -> None:
         pass  # the first micro-batch's reduce-scatter overwrites the shard
 
-    def gather(self) -> list:
+    def gather(self) -> list[Handle]:
         """After the step: persistent params are refreshed from every rank's
         chunk; the others are gathered when next used."""
         return [u.refresh() for u in self.units if u.persistent]
 
-    def owned(self, opt_params: list[Tensor]) -> list[tuple[str, int, int, Tensor, int]]:
-        return [(u.name, s.lo, s.hi, opt, s.shard_offset) for u, opt in zip(self.units, opt_params)
-                for s in u.layout.segments(self.comm.rank)]  # fmt: skip
+    def owned(self, opt_params: list[Tensor]) -> list[Piece]:
+        """Each unit's chunk (one optimizer tensor per unit)."""
+        return [
+            Piece(u.name, s.lo, s.hi, opt, s.shard_offset)
+            for u, opt in zip(self.units, opt_params)
+            for s in u.layout.segments(self.comm.rank)
+        ]
+
+    def rank_state(self) -> Any:
+        return None  # every state is a piece of a logical param
+
+    def load_rank_state(self, state: Any) -> None:
+        if state is not None:
+            raise ValueError("stage 3 groups keep no per-rank state")
 
     def memory(self) -> dict[str, int]:
         nbytes = lambda t: t.numel() * t.element_size()
@@ -182,18 +222,26 @@ class ParamFetcher:
     """Module hooks that gather each module's params before it runs and
     release them after, with the recorded order's prefetch."""
 
-    def __init__(self, module: torch.nn.Module, groups: list[Stage3Group], *, prefetch_elements: int,
-                 max_live: int, max_reuse: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[Stage3Group],
+        *,
+        prefetch_elements: int,
+        max_live: int,
+        max_reuse: int,
+    ) -> None:
         self.prefetch_elements, self.max_live, self.max_reuse = prefetch_elements, max_live, max_reuse
+        self.root = module
         self.unit_of = {id(u.param): u for g in groups for u in g.units}
         for g in groups:
             g.on_released = self._released
         self.needs: dict[torch.nn.Module, list[Unit]] = {}
         self.names = {m: n for n, m in module.named_modules()}
         for m in module.modules():
-            m.__dict__["_fz_fetcher"] = self  # for fastzero.zero.register_external_parameter after initialize
-            used = [*m._parameters.values(), *m.__dict__.get("_fz_external", [])]
-            direct = [self.unit_of.get(id(p)) for p in used if p is not None]
+            set_fetcher(m, self)  # for fastzero.zero.register_external_parameter after initialize
+            used = [*m.parameters(recurse=False), *external_params(m)]
+            direct = [self.unit_of.get(id(p)) for p in used]
             units = list({id(u): u for u in direct if u is not None and not u.persistent}.values())
             if units:
                 self._hook(m, units)
@@ -221,6 +269,23 @@ class ParamFetcher:
             raise ValueError("register_external_parameter: the param is not one the engine partitions")
         if not unit.persistent:
             self._hook(module, [unit])
+
+    def hint(self) -> str:
+        """For an error raised inside a forward: the module whose forward was
+        running, the partitioned params inside it that were not gathered for
+        it (a param used outside the forward of the module that owns it is
+        empty there), and the fix."""
+        active = self.active[-1] if self.active else self.root
+        own = {id(u) for u in self.needs.get(active, [])}
+        inside = {id(p) for p in active.parameters()}
+        names = [u.name for u in self.unit_of.values() if id(u.param) in inside and id(u) not in own and not u.gathered]
+        where = self.names.get(active, "") or "the model"
+        return (
+            f"fastzero ZeRO stage 3: this error came from the forward of {where!r}. If it uses a param outside the "
+            f"forward of the module that owns it (released params are empty there), e.g. "
+            f"{', '.join(names[:5]) or 'a param of another module'}, register it with "
+            "engine.register_external_parameter(module, param) so it is gathered for that module."
+        )
 
     # -- gathering --------------------------------------------------------------------
     def _need(self, unit: Unit) -> None:
@@ -323,3 +388,48 @@ class ParamFetcher:
     def gather_all(self) -> None:
         """Every param whole (for saving the 16-bit model); release with end_backward()."""
         self._fetch([u for u in self.unit_of.values() if not u.persistent])
+
+
+# -- the marks on the user's params and modules ----------------------------------------------
+# fastzero.zero.Init leaves each param's chunk and logical shape on it, register_external_parameter a list on
+# the module, the fetcher itself on every module; these helpers are the only code that touches those attributes.
+
+
+def mark_partitioned(p: Tensor, shard: Tensor, shape: torch.Size) -> None:
+    """`p` was partitioned at construction: `shard` is this rank's chunk of it, `shape` its logical shape."""
+    p._fz_shard, p._fz_shape = shard, shape
+
+
+def is_partitioned(p: Tensor) -> bool:
+    """Whether `p` was partitioned by ``fastzero.zero.Init`` and not yet taken over by an engine."""
+    return hasattr(p, "_fz_shard")
+
+
+def take_init_shard(p: Tensor) -> Tensor | None:
+    """The chunk ``fastzero.zero.Init`` left on `p` (None if none), removed from it."""
+    return p.__dict__.pop("_fz_shard", None)
+
+
+def logical_shape(p: Tensor) -> torch.Size:
+    """`p`'s shape as the model defines it, also while it is partitioned (empty)."""
+    return getattr(p, "_fz_shape", p.shape)
+
+
+def external_params(m: torch.nn.Module) -> list[Tensor]:
+    """The params `m`'s forward uses although another module owns them."""
+    return m.__dict__.get("_fz_external", [])
+
+
+def add_external_param(m: torch.nn.Module, p: Tensor) -> None:
+    external = m.__dict__.setdefault("_fz_external", [])
+    if all(q is not p for q in external):
+        external.append(p)
+
+
+def set_fetcher(m: torch.nn.Module, fetcher: ParamFetcher) -> None:
+    m.__dict__["_fz_fetcher"] = fetcher
+
+
+def fetcher_of(m: torch.nn.Module) -> ParamFetcher | None:
+    """The fetcher of the engine that trains `m` at stage 3, if any."""
+    return m.__dict__.get("_fz_fetcher")

@@ -17,15 +17,16 @@ import torch
 
 import fastzero
 from fastzero.comm import Comm, init_distributed
-from fastzero.ops import OneBitAdam
+from fastzero.runtime.onebit_adam import OneBitAdam
 
 MICRO, DIM, OUT = 8, 32, 8
 
 
 def make_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
-                               torch.nn.Linear(64, OUT))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(DIM, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, OUT)
+    )
 
 
 def teacher():
@@ -65,8 +66,10 @@ def train(run: dict) -> None:
     if run.get("standalone"):
         init_distributed()
         comm = Comm()
-        opt = OneBitAdam(model.parameters(), lr=run.get("lr", 3e-3), freeze_step=run.get("freeze", 20),
-                         weight_decay=0.01)  # fmt: skip
+        # the same Comm, so its record shows the optimizer's collectives
+        opt = OneBitAdam(
+            model.parameters(), lr=run.get("lr", 3e-3), freeze_step=run.get("freeze", 20), weight_decay=0.01, comm=comm
+        )
         rank, world, gas = comm.rank, comm.world_size, 1
         forward, record = model, comm.record
 
@@ -77,7 +80,6 @@ def train(run: dict) -> None:
             (loss * rank_scale).backward()
             opt.step(grad_scale=rank_scale)
 
-        opt.comm = comm  # the same Comm, so its record shows the optimizer's collectives
         engine = None
     else:
         engine, *_ = fastzero.initialize(model=model, config=config(run))
@@ -122,8 +124,15 @@ def train(run: dict) -> None:
             p.copy_(params[n])
         eval_loss = torch.nn.functional.mse_loss(evaluated(x), y).item()
     memory = engine.memory_breakdown() if engine is not None else None
-    result = dict(losses=losses, eval_loss=eval_loss, params=params, sent=sent, numel=numel, memory=memory,
-                  load_warnings=[str(w.message) for w in load_warnings])  # fmt: skip
+    result = dict(
+        losses=losses,
+        eval_loss=eval_loss,
+        params=params,
+        sent=sent,
+        numel=numel,
+        memory=memory,
+        load_warnings=[str(w.message) for w in load_warnings],
+    )
     torch.save(result, f"{run['out']}.rank{rank}.pt")
 
 

@@ -9,6 +9,10 @@ all-reduce's bytes. With the variance frozen the update is linear in the
 momentum, which is why compressing it with error feedback converges like Adam
 (Tang et al., 2021, "1-bit Adam").
 
+It lives in the runtime, beside the engine, because it needs process groups
+(as DeepSpeed keeps its 1-bit optimizers with its runtime); ``from
+fastzero.ops import OneBitAdam`` still works, through a lazy re-export.
+
 Bias correction, when on, is applied consistently: the momentum's keeps
 advancing (``1 - beta1^t``), the frozen variance keeps the correction of the
 step it was frozen at (``1 - beta2^freeze_step``), so the update does not jump
@@ -25,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.ops.adam import FusedAdam
+from fastzero.comm import Comm, compressed_allreduce, error_buffers, padded_numel
+from fastzero.ops import FusedAdam
 
 
 def _trained(group: dict) -> list[Tensor]:
@@ -55,10 +60,11 @@ class OneBitAdam(FusedAdam):
     under the engine its ``gradient_clipping`` does that instead.
 
     Under ``fastzero.initialize`` the engine reduces warm-up gradients and
-    stops reducing them at the freeze. Used on its own, do not wrap the model
-    in DDP: during warm-up the optimizer averages the gradients itself (one
-    flat all-reduce per group over `process_group`), and every rank must
-    start from the same params.
+    stops reducing them at the freeze (it calls :meth:`attach_engine`). Used
+    on its own, do not wrap the model in DDP: during warm-up the optimizer
+    averages the gradients itself (one flat all-reduce per group over
+    `process_group`, or over `comm`, a :class:`fastzero.comm.Comm`, when
+    given), and every rank must start from the same params.
 
     State: torch's ``exp_avg``/``exp_avg_sq`` (fp32) per param, plus each
     group's error-feedback buffers, which ``state_dict()`` saves under
@@ -82,6 +88,7 @@ class OneBitAdam(FusedAdam):
         amsgrad: bool = False,
         process_group=None,
         *,
+        comm: Comm | None = None,
         master_weights: bool = False,
         backend: str | None = None,
     ) -> None:
@@ -93,17 +100,39 @@ class OneBitAdam(FusedAdam):
             raise ValueError(f"OneBitAdam max_grad_norm={max_grad_norm!r}: must be >= 0 (0 turns clipping off)")
         self.freeze_step = check_freeze_step(freeze_step)
         self.max_grad_norm = float(max_grad_norm)
-        super().__init__(params, lr, bias_correction, betas, eps, True, weight_decay,
-                         master_weights=master_weights, backend=backend)  # fmt: skip
+        super().__init__(
+            params, lr, bias_correction, betas, eps, True, weight_decay, master_weights=master_weights, backend=backend
+        )
         self.process_group = process_group
-        self.comm = None  # fastzero.comm.Comm over process_group, made on first use (or given by the engine)
-        # Set by the engine, which reduces warm-up grads, agrees on overflows and clips (gradient_clipping)
-        # itself; on its own the optimizer does those here.
-        self.managed = False
-        self.exchange_momentum = True  # False: grads arrive already compressed-averaged (the engine at ZeRO stage 1)
+        self._group_comm = comm  # a Comm over process_group, made on first use when not given
+        # Under the engine (attach_engine): it reduces warm-up grads, agrees on overflows and clips
+        # (gradient_clipping) itself; on its own the optimizer does those here.
+        self._managed = False
+        self._exchange_momentum = True  # False: grads arrive already compressed-averaged (the engine at stage 1)
         self._momentum: dict[int, Tensor] = {}  # group -> flat padded fp32 buffer; exp_avg are views of it
         self._errors: dict[int, tuple[Tensor, Tensor]] = {}  # group -> (worker error, server error)
         self._steps_cache: tuple[int, tuple] | None = None  # (steps done, _step_objects() then)
+
+    def attach_engine(self, comm: Comm, *, exchange_momentum: bool) -> None:
+        """Hands the collectives around the step to an engine that runs them
+        itself over `comm`: it averages the warm-up gradients, agrees on
+        overflows (a skipped step is skipped everywhere) and clips by its
+        ``gradient_clipping`` (``max_grad_norm`` is then not applied here),
+        so :meth:`step` only updates. After ``freeze_step`` the momentum is
+        exchanged compressed when `exchange_momentum` (ZeRO stage 0: each
+        rank steps on its local gradient); with False the gradients arrive
+        already compressed-averaged (stage 1's compressed reduce-scatter) and
+        the step is local."""
+        self._group_comm = comm
+        self._managed = True
+        self._exchange_momentum = exchange_momentum
+
+    @property
+    def comm(self) -> Comm:
+        """The :class:`fastzero.comm.Comm` the optimizer's collectives use."""
+        if self._group_comm is None:
+            self._group_comm = Comm(self.process_group)
+        return self._group_comm
 
     # -- phases -------------------------------------------------------------------
     def _step_objects(self) -> tuple:
@@ -128,29 +157,22 @@ class OneBitAdam(FusedAdam):
         """Whether the next step is past the warm-up (variance frozen, momentum compressed)."""
         return self.steps_done >= self.freeze_step
 
-    def _comm(self):
-        if self.comm is None:
-            from fastzero.comm import Comm  # deferred: ops does not depend on comm at import
-
-            self.comm = Comm(self.process_group)
-        return self.comm
-
     # -- the step -----------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float | Tensor | None = None, found_inf: float | Tensor | None = None):
         loss, grad_scale, found_inf = self._step_inputs(closure, grad_scale, found_inf)
         scale = float(grad_scale) if grad_scale is not None else 1.0
-        comm = self._comm()
+        comm = self.comm
         compressing = self.compressing
-        if not compressing and not self.managed and comm.world_size > 1:
+        if not compressing and not self._managed and comm.world_size > 1:
             self._average_grads(comm, scale)  # each rank unscales by its own scale (GradScalers may differ)
             scale = 1.0
         skip = found_inf is not None and bool(found_inf)
-        if comm.world_size > 1 and not self.managed:
+        if comm.world_size > 1 and not self._managed:
             (skip,) = comm.all_reduce_scalars([float(skip)], op=torch.distributed.ReduceOp.MAX, tag="onebit")
         if skip:
             return loss  # an overflow on any rank: no rank steps, the errors stay as they are
-        if self.max_grad_norm > 0 and not self.managed:
+        if self.max_grad_norm > 0 and not self._managed:
             scale *= self._clip_factor(comm, scale, local=compressing)
         t = self.steps_done + 1  # before any group's counter advances
         if not compressing:
@@ -171,8 +193,9 @@ class OneBitAdam(FusedAdam):
             params = _trained(group)
             if not params:
                 continue
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                              for p in params])  # fmt: skip
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+            )
             flat /= scale  # this rank's scale, before the sum
             comm.all_reduce(flat, tag="onebit_warmup").wait()
             flat /= comm.world_size
@@ -188,8 +211,12 @@ class OneBitAdam(FusedAdam):
     def _clip_factor(self, comm, scale: float, local: bool) -> float:
         """1/coef so that the gradient the step uses has norm <= max_grad_norm;
         after the freeze the norm is the RMS of the ranks' local norms."""
-        sumsq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2)
-                    for g in self.param_groups for p in g["params"] if p.grad is not None)  # fmt: skip
+        sumsq = sum(
+            float(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2)
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        )
         if local and comm.world_size > 1:
             (sumsq,) = comm.all_reduce_scalars([sumsq], tag="onebit")
             sumsq /= comm.world_size
@@ -200,11 +227,9 @@ class OneBitAdam(FusedAdam):
         """Group `gi`'s momentum as one flat fp32 buffer, padded for the
         compressed all-reduce; every param's ``exp_avg`` is a view of it (made
         again when a load replaced them)."""
-        from fastzero.comm.compressed import padded_numel
-
         params = _trained(self.param_groups[gi])
         numel = sum(p.numel() for p in params)
-        padded = padded_numel(numel, self._comm().world_size)
+        padded = padded_numel(numel, self.comm.world_size)
         buf = self._momentum.get(gi)
         if buf is not None and buf.numel() == padded and buf.device == params[0].device:
             off, intact = 0, True
@@ -217,9 +242,7 @@ class OneBitAdam(FusedAdam):
         buf = torch.zeros(padded, dtype=torch.float32, device=params[0].device)
         off = 0
         for p in params:
-            state = self.state[p]
-            if not state:
-                self._init_state(p, state)
+            state = self.init_state(p)
             view = buf[off : off + p.numel()].view(p.shape)
             view.copy_(state["exp_avg"])
             state["exp_avg"] = view
@@ -228,12 +251,10 @@ class OneBitAdam(FusedAdam):
         return buf
 
     def error_buffers(self, gi: int) -> tuple[Tensor, Tensor]:
-        from fastzero.comm.compressed import error_buffers
-
         buf = self.momentum_buffer(gi)
         errors = self._errors.get(gi)
         if errors is None or errors[0].numel() != buf.numel() or errors[0].device != buf.device:
-            world = self._comm().world_size
+            world = self.comm.world_size
             errors = self._errors[gi] = error_buffers(buf.numel(), world, device=buf.device)
         return errors
 
@@ -249,9 +270,7 @@ class OneBitAdam(FusedAdam):
         if with_grad:
             avgs, grads = zip(*with_grad)
             torch._foreach_add_(list(avgs), list(grads), alpha=(1 - beta1) / scale)
-        if self.exchange_momentum:
-            from fastzero.comm.compressed import compressed_allreduce
-
+        if self._exchange_momentum:
             worker, server = self.error_buffers(gi)
             compressed_allreduce(buf, worker, server, comm, tag="onebit", out=buf)
             buf[sum(p.numel() for p in params) :].zero_()  # the padding carries no momentum
@@ -281,7 +300,7 @@ class OneBitAdam(FusedAdam):
     # -- state -------------------------------------------------------------------------
     def error_state(self) -> dict:
         """The error-feedback buffers (this rank's), for checkpoints."""
-        world = self.comm.world_size if self.comm is not None else None
+        world = self._group_comm.world_size if self._group_comm is not None else None
         return {"world_size": world, "errors": {gi: (w.cpu(), s.cpu()) for gi, (w, s) in self._errors.items()}}
 
     def load_error_state(self, saved: dict | None) -> bool:
@@ -290,7 +309,7 @@ class OneBitAdam(FusedAdam):
         self._errors.clear()
         if not saved or not saved.get("errors"):
             return True
-        if saved.get("world_size") != self._comm().world_size:
+        if saved.get("world_size") != self.comm.world_size:
             return False
         for gi, (w, s) in saved["errors"].items():
             worker, server = self.error_buffers(int(gi))
@@ -314,5 +333,8 @@ class OneBitAdam(FusedAdam):
         saved = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
         if not self.load_error_state(saved):
-            warnings.warn("OneBitAdam: the checkpoint's error-feedback buffers are for another world size; they "
-                          "restart from zero (a one-time, bounded perturbation)", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                "OneBitAdam: the checkpoint's error-feedback buffers are for another world size; they "
+                "restart from zero (a one-time, bounded perturbation)",
+                stacklevel=2,
+            )

@@ -2,52 +2,78 @@
 rank updates (the model's params at stage 0, its shard's chunks above), built
 from the config's ``optimizer`` section or from the optimizer the script
 passed (torch.optim.Adam/AdamW and fastzero's own are taken over with their
-hyperparameters, so a script switches without edits)."""
+hyperparameters, so a script switches without edits). Which optimizer works
+with which stage and with offload is :data:`fastzero.config.OPTIMIZER_RULES`."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fastzero.config import Config, ConfigError, ConfigNotSupported
-from fastzero.ops import CPUAdam, FusedAdam, FusedLamb, OneBitAdam
+from fastzero.config import Config, ConfigError, ConfigNotSupported, check_optimizer
+from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
 from fastzero.runtime.offload import OffloadedAdam
+from fastzero.runtime.onebit_adam import OneBitAdam
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
-_LAMB_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_grad_norm", "max_coeff", "min_coeff",
-              "eps_inside_sqrt")  # fmt: skip
+_LAMB_KEYS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "bias_correction",
+    "max_grad_norm",
+    "max_coeff",
+    "min_coeff",
+    "eps_inside_sqrt",
+)
 _ONEBIT_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
 _ONEBIT_IGNORED = ("comm_backend_name", "cuda_aware")  # DeepSpeed's backend flags: any torch.distributed backend works
 
 
-def _from_client(client: torch.optim.Optimizer) -> tuple[type, dict, list[dict]]:
-    """(fastzero class, constructor kwargs, per-group hyperparameters) that
+# the fastzero class of each optimizer name of fastzero.config.OPTIMIZER_RULES
+_CLASSES = {"Adam": FusedAdam, "AdamW": FusedAdam, "Lamb": FusedLamb, "OneBitAdam": OneBitAdam}
+
+
+def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]]:
+    """(optimizer name, constructor kwargs, per-group hyperparameters) that
     reproduce `client`'s math."""
     groups = client.param_groups
     if isinstance(client, OneBitAdam):
         kwargs = dict(freeze_step=client.freeze_step, max_grad_norm=client.max_grad_norm)
-        return OneBitAdam, kwargs, [{k: g[k] for k in _ONEBIT_KEYS if k in g} for g in groups]
+        return "OneBitAdam", kwargs, [{k: g[k] for k in _ONEBIT_KEYS if k in g} for g in groups]
     if isinstance(client, FusedLamb):
-        return FusedLamb, {}, [{k: g[k] for k in _LAMB_KEYS if k in g} for g in groups]
+        return "Lamb", {}, [{k: g[k] for k in _LAMB_KEYS if k in g} for g in groups]
     if isinstance(client, (FusedAdam, CPUAdam)):
-        return FusedAdam, {}, [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
+        return "Adam", {}, [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
     if type(client) in (torch.optim.Adam, torch.optim.AdamW):
         adamw = isinstance(client, torch.optim.AdamW) or bool(client.defaults.get("decoupled_weight_decay"))
         for gi, g in enumerate(groups):
             for key in ("amsgrad", "maximize"):
                 if g.get(key):
-                    raise ConfigNotSupported(f"{type(client).__name__}({key}=True) in param group {gi}: fastzero's "
-                                             f"fused Adam does not implement {key}")  # fmt: skip
+                    raise ConfigNotSupported(
+                        f"{type(client).__name__}({key}=True) in param group {gi}: fastzero's "
+                        f"fused Adam does not implement {key}"
+                    )
         keep = ("lr", "betas", "eps", "weight_decay")
-        return FusedAdam, {}, [dict({k: g[k] for k in keep}, adamw_mode=adamw) for g in groups]
+        return "AdamW" if adamw else "Adam", {}, [dict({k: g[k] for k in keep}, adamw_mode=adamw) for g in groups]
     raise ConfigNotSupported(
         f"optimizer={type(client).__name__}: the engine runs fastzero's fused kernels over its shards and takes "
         "torch.optim.Adam/AdamW, fastzero.ops.FusedAdam/CPUAdam/FusedLamb, or the config's optimizer section"
     )
 
 
-def build_optimizer(cfg: Config, groups: list[dict], shard_params: list[list[Tensor]], client=None, *,
-                    master_weights: bool) -> torch.optim.Optimizer:  # fmt: skip
+def param_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict[str, Tensor]:
+    """The optimizer's state for `p` (``exp_avg``, ``exp_avg_sq`` and, with
+    master weights, ``master_param``), created as its first step would create
+    it when no step has run yet (a checkpoint saved or loaded before the
+    first step)."""
+    return optimizer.init_state(p)
+
+
+def build_optimizer(
+    cfg: Config, groups: list[dict], shard_params: list[list[Tensor]], client=None, *, master_weights: bool
+) -> torch.optim.Optimizer:
     """`groups` are the training's param groups (with any per-group
     hyperparameters), `shard_params` what the rank updates for each."""
     opt = cfg.optimizer
@@ -58,38 +84,24 @@ def build_optimizer(cfg: Config, groups: list[dict], shard_params: list[list[Ten
             raise ConfigError(f"optimizer={client!r}: pass a torch.optim.Optimizer or a callable(params) -> one")
         client = client([{**g, "params": g["params"]} for g in groups])
     if client is not None:
-        cls, kwargs, hypers = _from_client(client)
+        name, kwargs, hypers = _from_client(client)
     elif not opt.type:
         raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass optimizer= to initialize()")
     else:
-        params = dict(opt.params)
-        if opt.type == "OneBitAdam":
-            cls = OneBitAdam
+        name, params = opt.type, dict(opt.params)
+        if name == "OneBitAdam":
             for key in _ONEBIT_IGNORED:
                 params.pop(key, None)
-        elif opt.type == "Lamb":
-            cls = FusedLamb
-        else:
-            cls = FusedAdam
-            params["adam_w_mode"] = params.pop("adam_w_mode", True) if opt.type == "Adam" else True
+        elif name in ("Adam", "AdamW"):
+            params["adam_w_mode"] = params.pop("adam_w_mode", True) if name == "Adam" else True
         kwargs = params
-        keys = {FusedLamb: _LAMB_KEYS, OneBitAdam: _ONEBIT_KEYS}.get(cls, ("lr", "betas", "eps", "weight_decay"))
+        keys = {"Lamb": _LAMB_KEYS, "OneBitAdam": _ONEBIT_KEYS}.get(name, ("lr", "betas", "eps", "weight_decay"))
         hypers = [{k: g[k] for k in keys if k in g} for g in groups]  # per-group overrides of the config
-    if cls is FusedLamb and cfg.zero_optimization.stage >= 1:
-        raise ConfigNotSupported(
-            f"Lamb with zero_optimization.stage {cfg.zero_optimization.stage}: its trust ratio needs each param "
-            "whole, and stages 1-2 partition flat buffers; use stage 0 (or Adam/AdamW)"
-        )
-    if cls is OneBitAdam and cfg.zero_optimization.stage >= 2:
-        raise ConfigNotSupported(
-            f"OneBitAdam with zero_optimization.stage {cfg.zero_optimization.stage}: after freeze_step each rank needs "
-            "its whole local gradient, which stages 2-3 reduce and free during backward; use stage 0 or 1"
-        )
-    groups = [{**h, "params": p} for h, p in zip(hypers, shard_params)]
     offload = cfg.zero_optimization.offload_optimizer
-    if offload.device == "cpu":
-        if cls is not FusedAdam:  # OneBitAdam too: its compressed step runs where the params are
-            raise ConfigNotSupported(f"offload_optimizer with {cls.__name__}: the CPU step is Adam/AdamW (CPUAdam)")
+    check_optimizer(name, cfg.zero_optimization.stage, offload=offload.device != "none")
+    cls = _CLASSES[name]
+    groups = [{**h, "params": p} for h, p in zip(hypers, shard_params)]
+    if offload.device == "cpu":  # OPTIMIZER_RULES allows it for the Adam family only: CPUAdam's math
         if "adam_w_mode" in kwargs:
             kwargs["adamw_mode"] = kwargs.pop("adam_w_mode")
         return OffloadedAdam(groups, pin_memory=offload.pin_memory, **kwargs)

@@ -10,6 +10,11 @@ overlap what the loading rank owns, so it resumes at any world size and stage,
 with the optimizer state; :func:`consolidate` assembles a plain fp32
 ``state_dict``.
 
+The engine's state goes through its groups' state API
+(:class:`fastzero.runtime.groups.ZeroGroup`: ``owned``, ``pieces_out``,
+``pieces_in``, ``rank_state``), never through a group's or the optimizer's
+internals, so any group that implements it checkpoints the same way.
+
 The save goes to ``.<tag>.tmp`` and is renamed to ``<tag>`` when complete;
 ``latest`` is replaced last. A crash mid-save leaves the previous checkpoint
 and pointer intact. Checkpoints live on a file system every rank sees.
@@ -26,6 +31,8 @@ from typing import Any
 
 import torch
 
+from fastzero.runtime.groups import STATE_KEYS, PieceState
+
 FORMAT, VERSION = "fastzero-checkpoint", 1
 
 
@@ -37,54 +44,45 @@ def _rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
-def _owned(engine) -> list[tuple[str, int, int, torch.Tensor, int]]:
-    """(param name, lo, hi, optimizer param, offset in it) for every piece of
-    a param whose master and optimizer state this rank holds."""
-    return [piece for g, og in zip(engine.groups, engine.optimizer.param_groups) for piece in g.owned(og["params"])]
-
-
-def _state(engine, opt_param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The flattened fp32 master, exp_avg and exp_avg_sq of one optimizer
-    param (creating the state if no step has run yet)."""
-    state = engine.optimizer.state[opt_param]
-    if not state:
-        engine.optimizer._init_state(opt_param, state)
-    master = state.get("master_param", opt_param)
-    return {"master": master.reshape(-1), "exp_avg": state["exp_avg"].reshape(-1),
-            "exp_avg_sq": state["exp_avg_sq"].reshape(-1)}  # fmt: skip
+def _groups(engine):
+    """Each ZeRO group with the optimizer's tensors for it."""
+    return [(g, og["params"]) for g, og in zip(engine.groups, engine.optimizer.param_groups)]
 
 
 def _onebit_state(engine) -> dict | None:
     """1-bit Adam's error-feedback buffers on this rank (the optimizer's at
     stage 0, the groups' at stage 1): per-rank state, like the RNG."""
-    if not getattr(engine, "onebit", False):
+    if not engine.onebit:
         return None
-    groups = [None if g.compress_error is None else g.compress_error.cpu() for g in engine.groups]
+    groups = [g.rank_state() for g in engine.groups]
     return {"stage": engine.stage, "optimizer": engine.optimizer.error_state(), "groups": groups}
 
 
 def _has_errors(engine) -> bool:
     """Whether 1-bit Adam has error-feedback state (it is past freeze_step)."""
-    if not getattr(engine, "onebit", False):
+    if not engine.onebit:
         return False
-    return engine.optimizer.error_bytes() > 0 or any(g.compress_error is not None for g in engine.groups)
+    return engine.optimizer.error_bytes() > 0 or any(g.rank_state() is not None for g in engine.groups)
 
 
 def _load_onebit_state(engine, saved: dict | None, same_world: bool, had_errors: bool) -> None:
     """Restores this rank's error buffers when the world size and stage are
     the saved ones; else they restart from zero (with a warning when the
     checkpoint had some)."""
-    if not getattr(engine, "onebit", False):
+    if not engine.onebit:
         return
     restored = same_world and saved is not None and saved["stage"] == engine.stage
     restored = restored and engine.optimizer.load_error_state(saved["optimizer"])
     if not restored:
         engine.optimizer.load_error_state(None)
-    for g, error in zip(engine.groups, saved["groups"] if restored else [None] * len(engine.groups)):
-        g.compress_error = None if error is None else error.to(g.device)
+    for g, state in zip(engine.groups, saved["groups"] if restored else [None] * len(engine.groups)):
+        g.load_rank_state(state)
     if not restored and had_errors:
-        warnings.warn("1-bit Adam: the checkpoint's error-feedback buffers are for another world size or stage; "
-                      "they restart from zero (a one-time, bounded perturbation)", stacklevel=4)  # fmt: skip
+        warnings.warn(
+            "1-bit Adam: the checkpoint's error-feedback buffers are for another world size or stage; "
+            "they restart from zero (a one-time, bounded perturbation)",
+            stacklevel=4,
+        )
 
 
 def _write(path: Path, obj: Any) -> None:
@@ -111,10 +109,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
     comm.barrier()
     pieces = []
     if engine.stage > 0 or comm.rank == 0:  # stage 0: every rank holds everything, rank 0 writes it
-        for name, lo, hi, opt_param, off in _owned(engine):
-            tensors = {k: v[off : off + hi - lo].detach().float().cpu().clone()  # a clone: not the whole storage
-                       for k, v in _state(engine, opt_param).items()}  # fmt: skip
-            pieces.append({"name": name, "lo": lo, "hi": hi, **tensors})
+        for g, opt_params in _groups(engine):
+            for piece in g.pieces_out(engine.optimizer, opt_params):
+                # a clone: not the whole storage
+                tensors = {k: v.detach().float().cpu().clone() for k, v in piece.tensors.items()}
+                pieces.append({"name": piece.name, "lo": piece.lo, "hi": piece.hi, **tensors})
     own = {"pieces": pieces, "rng": torch.get_rng_state(), "onebit": _onebit_state(engine)}
     _write(tmp / _rank_file(comm.rank), own)
     index = [[p["name"], p["lo"], p["hi"]] for p in pieces]
@@ -122,24 +121,37 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
     comm.barrier()
     if comm.rank == 0:
         trainable = {id(p) for g in engine.groups for p in g.params}
-        module_state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict(keep_vars=True).items()
-                        if id(v) not in trainable}  # fmt: skip
+        module_state = {
+            k: v.detach().cpu().clone()
+            for k, v in engine.module.state_dict(keep_vars=True).items()
+            if id(v) not in trainable
+        }
         sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
         extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
         _write(tmp / "extra.pt", extra)
         manifest = {
-            "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "stage": engine.stage,
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": comm.world_size,
+            "stage": engine.stage,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
             "onebit_errors": _has_errors(engine),
-            "groups": [{"step": int(float(og.get("step", 0))), "names": g.names,
-                        "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"}}
-                       for g, og in zip(engine.groups, engine.optimizer.param_groups)],
+            "groups": [
+                {
+                    "step": int(float(og.get("step", 0))),
+                    "names": g.names,
+                    "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"},
+                }
+                for g, og in zip(engine.groups, engine.optimizer.param_groups)
+            ],
             "params": {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)},
             "files": {_rank_file(r): idx for r, idx in enumerate(indexes)},
-        }  # fmt: skip
+        }
         text = json.dumps(manifest, indent=1)
         with open(tmp / "manifest.json", "w") as f:
             f.write(text)
@@ -200,25 +212,26 @@ def _load(path: Path, weights_only: bool = True) -> Any:
         raise CheckpointError(f"{path} is unreadable or corrupt ({type(exc).__name__}: {exc})") from None
 
 
-def _pieces(path: Path, manifest: dict, wanted: dict[str, list[tuple[int, int]]]) -> dict[str, list[dict]]:
+def _pieces(path: Path, manifest: dict, wanted: dict[str, list[tuple[int, int]]]) -> dict[str, list[PieceState]]:
     """The saved pieces that overlap the `wanted` ranges, by param name,
     read from the files that hold them and checked for size."""
-    out: dict[str, list[dict]] = {}
+    out: dict[str, list[PieceState]] = {}
     for fname, index in manifest["files"].items():
         if not any(n in wanted and any(lo < w_hi and w_lo < hi for w_lo, w_hi in wanted[n]) for n, lo, hi in index):
             continue
         data = _load(path / fname)
         for piece in data["pieces"]:
             n = piece["hi"] - piece["lo"]
-            if any(piece[k].numel() != n for k in ("master", "exp_avg", "exp_avg_sq")):
-                raise CheckpointError(f"{path / fname}: piece {piece['name']}[{piece['lo']}:{piece['hi']}] has "
-                                      "tensors of the wrong size; the file is corrupt")  # fmt: skip
-            out.setdefault(piece["name"], []).append(piece)
+            if any(piece[k].numel() != n for k in STATE_KEYS):
+                raise CheckpointError(
+                    f"{path / fname}: piece {piece['name']}[{piece['lo']}:{piece['hi']}] has tensors of the wrong "
+                    "size; the file is corrupt"
+                )
+            tensors = {k: piece[k] for k in STATE_KEYS}
+            out.setdefault(piece["name"], []).append(PieceState(piece["name"], piece["lo"], piece["hi"], tensors))
     for name, ranges in wanted.items():
         for lo, hi in ranges:
-            covered = sum(
-                min(hi, p["hi"]) - max(lo, p["lo"]) for p in out.get(name, []) if p["lo"] < hi and lo < p["hi"]
-            )
+            covered = sum(min(hi, p.hi) - max(lo, p.lo) for p in out.get(name, []) if p.lo < hi and lo < p.hi)
             if covered != hi - lo:
                 raise CheckpointError(f"{path}: elements [{lo}:{hi}] of {name} are missing from the checkpoint files")
     return out
@@ -231,8 +244,10 @@ def _check_model(manifest: dict, engine, path: Path) -> None:
             if name not in saved:
                 raise CheckpointError(f"{path}: param {name} of the model is not in the checkpoint (another model?)")
             if list(shape) != saved[name]:
-                raise CheckpointError(f"{path}: param {name} has shape {tuple(saved[name])} in the checkpoint and "
-                                      f"{tuple(shape)} in the model")  # fmt: skip
+                raise CheckpointError(
+                    f"{path}: param {name} has shape {tuple(saved[name])} in the checkpoint and "
+                    f"{tuple(shape)} in the model"
+                )
     ours = {n for g in engine.groups for n in g.names}
     extra = [n for n in saved if n not in ours]
     if extra:
@@ -241,39 +256,33 @@ def _check_model(manifest: dict, engine, path: Path) -> None:
         raise CheckpointError(f"{path}: the checkpoint's param groups differ from the engine's")
 
 
-def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True):  # fmt: skip
+def load_checkpoint(
+    engine, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+):
     """Every rank calls it. Returns (path, client_state), or (None, None)
     when `load_dir` has no ``latest`` and no tag is given."""
     path = resolve(load_dir, tag)
     if path is None:
-        warnings.warn(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a given checkpoint)",
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a given checkpoint)", stacklevel=3
+        )
         return None, None
     manifest = read_manifest(path)
     _check_model(manifest, engine, path)
-    owned = _owned(engine)
     wanted: dict[str, list[tuple[int, int]]] = {}
-    for name, lo, hi, _, _ in owned:
-        wanted.setdefault(name, []).append((lo, hi))
+    for g, opt_params in _groups(engine):
+        for piece in g.owned(opt_params):
+            wanted.setdefault(piece.name, []).append((piece.lo, piece.hi))
     pieces = _pieces(path, manifest, wanted)
     extra = _load(path / "extra.pt", weights_only=False)  # client state may hold any object
     same_world = manifest["world_size"] == engine.comm.world_size
     own_file = _load(path / _rank_file(engine.comm.rank)) if same_world else {}
     rng = own_file.get("rng")
     # everything is read and checked: now change the engine
-    keys = ("master", "exp_avg", "exp_avg_sq") if load_optimizer_states else ("master",)
+    keys = STATE_KEYS if load_optimizer_states else ("master",)
     with torch.no_grad():
-        for name, lo, hi, opt_param, off in owned:
-            st = _state(engine, opt_param)
-            for piece in pieces[name]:
-                a, z = max(lo, piece["lo"]), min(hi, piece["hi"])
-                if a >= z:
-                    continue
-                for key in keys:
-                    st[key][off + a - lo : off + z - lo].copy_(piece[key][a - piece["lo"] : z - piece["lo"]])
-            if st["master"].data_ptr() != opt_param.data_ptr():  # low-precision training: the param from its master
-                opt_param.reshape(-1)[off : off + hi - lo].copy_(st["master"][off : off + hi - lo])
+        for g, opt_params in _groups(engine):
+            g.pieces_in(engine.optimizer, opt_params, pieces, keys)
         for group, saved in zip(engine.optimizer.param_groups, manifest["groups"]):
             if load_optimizer_states:
                 group["step"] = saved["step"]
@@ -317,6 +326,6 @@ def consolidate(load_dir, tag=None) -> dict[str, torch.Tensor]:
     for name, shape in shapes.items():
         flat = torch.empty(wanted[name][0][1], dtype=torch.float32)
         for piece in pieces[name]:
-            flat[piece["lo"] : piece["hi"]] = piece["master"]
+            flat[piece.lo : piece.hi] = piece.tensors["master"]
         out[name] = flat.view(shape)
     return out

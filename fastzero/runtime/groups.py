@@ -1,0 +1,195 @@
+"""The engine's declared interface to its ZeRO groups, and the state API that
+checkpoints use.
+
+A *group* is one param group of the model, sharded some way: stages 0-2's
+:class:`~fastzero.runtime.partition.FlatGroup` and stage 3's
+:class:`~fastzero.runtime.stage3.Stage3Group` today; tensor- and
+pipeline-parallel groups plug in the same way. The engine calls only what
+:class:`ZeroGroup` declares: around backward (``begin_backward``,
+``grad_ready`` per param, ``end_backward``), at the step (``grads``,
+``optimizer_params``, ``gather``, ``zero_grads``, ``unreduced``) and for
+reports (``memory``).
+
+Checkpoints see a group through its *pieces*: each :class:`Piece` is a range
+``[lo, hi)`` of one logical param, flattened, whose fp32 master and optimizer
+state this rank holds (the group's split), and where that lives in the
+optimizer's tensors. :meth:`ZeroGroup.pieces_out` hands out the state of the
+owned pieces, :meth:`ZeroGroup.pieces_in` loads saved pieces of any split
+back, so a checkpoint written with one layout loads into any other. State
+that belongs to a rank rather than to a logical param (1-bit Adam's
+error-feedback buffers) goes through ``rank_state``/``load_rank_state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from fastzero.comm import Handle
+from fastzero.runtime.optimizer_builder import param_state
+
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")  # what a piece carries: fp32, hi - lo elements each
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[lo, hi)`` of the flattened logical param `name` that this
+    rank owns: they are elements ``[offset, offset + hi - lo)`` of the
+    optimizer's tensor `opt_param` (and of its state)."""
+
+    name: str
+    lo: int
+    hi: int
+    opt_param: Tensor
+    offset: int
+
+
+@dataclass
+class PieceState:
+    """The state of elements ``[lo, hi)`` of logical param `name`:
+    `tensors` maps each of :data:`STATE_KEYS` to ``hi - lo`` elements (views
+    of the live state from :meth:`ZeroGroup.pieces_out`)."""
+
+    name: str
+    lo: int
+    hi: int
+    tensors: dict[str, Tensor]
+
+
+@runtime_checkable
+class ZeroGroup(Protocol):
+    """What the engine relies on from one ZeRO group. Implementations
+    subclass it to inherit :meth:`pieces_out` and :meth:`pieces_in`, which
+    are built on :meth:`owned`."""
+
+    params: list[Tensor]  # the model's trainable params of this group, in order (their grad hooks call grad_ready)
+    names: list[str]  # their names in the module
+    shapes: list[torch.Size]  # their logical shapes (a partitioned param is empty between uses)
+    device: torch.device  # where the group's buffers live
+
+    # -- backward ------------------------------------------------------------------------
+    def begin_backward(self, first: bool, boundary: bool) -> None:
+        """Before a micro-batch's backward: `first` of the accumulation,
+        `boundary` the last before a step (and gradients are to be reduced)."""
+        ...
+
+    def grad_ready(self, i: int, p: Tensor) -> None:
+        """``params[i]``'s gradient is final for this backward."""
+        ...
+
+    def end_backward(self) -> None:
+        """After backward: every reduction launched is complete."""
+        ...
+
+    def unreduced(self) -> bool:
+        """Whether gradients were left on the params without being reduced
+        (a plain ``loss.backward()``)."""
+        ...
+
+    # -- the step ------------------------------------------------------------------------
+    def grads(self) -> Tensor:
+        """This rank's reduced gradients (summed over ranks, not averaged),
+        flat: what the gradient norm is taken over."""
+        ...
+
+    def optimizer_params(self) -> list[Tensor]:
+        """The tensors the optimizer updates for this group, each with its
+        ``.grad`` set (called once, when the optimizer is built)."""
+        ...
+
+    def gather(self) -> list[Handle]:
+        """After the step: brings the updated params back to where the model
+        uses them; the engine waits for the handles."""
+        ...
+
+    def zero_grads(self) -> None:
+        """After the step: the gradients start again from zero."""
+        ...
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for the group, by kind (see
+        :meth:`fastzero.runtime.Engine.memory_breakdown`)."""
+        ...
+
+    # -- state ---------------------------------------------------------------------------
+    def owned(self, opt_params: list[Tensor]) -> list[Piece]:
+        """The pieces of logical params this rank owns (their split), given
+        the optimizer's tensors for this group (``param_groups[i]["params"]``,
+        in the order of :meth:`optimizer_params`)."""
+        ...
+
+    def rank_state(self) -> Any:
+        """State of this rank that is not a piece of a logical param (it does
+        not move to another world size), or None."""
+        ...
+
+    def load_rank_state(self, state: Any) -> None:
+        """Restores :meth:`rank_state` (None: start it afresh)."""
+        ...
+
+    def pieces_out(self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor]) -> list[PieceState]:
+        """Pieces out: the fp32 master, exp_avg and exp_avg_sq of each owned
+        piece, as views of the live state (created as the first step would
+        create it when no step has run)."""
+        out = []
+        for piece in self.owned(opt_params):
+            state = _flat_state(optimizer, piece.opt_param)
+            window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
+            out.append(PieceState(piece.name, piece.lo, piece.hi, {k: v[window] for k, v in state.items()}))
+        return out
+
+    def pieces_in(
+        self,
+        optimizer: torch.optim.Optimizer,
+        opt_params: list[Tensor],
+        saved: Mapping[str, Sequence[PieceState]],
+        keys: Sequence[str] = STATE_KEYS,
+    ) -> None:
+        """Pieces in: copies `keys` of the `saved` pieces (by param name, any
+        split; together they must cover what this rank owns) into the owned
+        pieces, then each low-precision param from its master."""
+        with torch.no_grad():
+            for piece in self.owned(opt_params):
+                state = _flat_state(optimizer, piece.opt_param)
+                for src in saved.get(piece.name, ()):
+                    lo, hi = max(piece.lo, src.lo), min(piece.hi, src.hi)
+                    if lo >= hi:
+                        continue
+                    dst = slice(piece.offset + lo - piece.lo, piece.offset + hi - piece.lo)
+                    for key in keys:
+                        state[key][dst].copy_(src.tensors[key][lo - src.lo : hi - src.lo])
+                master = state["master"]
+                if master.data_ptr() != piece.opt_param.data_ptr():  # low precision: the param from its master
+                    window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
+                    piece.opt_param.reshape(-1)[window].copy_(master[window])
+
+
+def _flat_state(optimizer: torch.optim.Optimizer, opt_param: Tensor) -> dict[str, Tensor]:
+    """:data:`STATE_KEYS` of one optimizer tensor, flattened (the master is
+    the tensor itself when it is fp32 already)."""
+    state = param_state(optimizer, opt_param)
+    master = state.get("master_param", opt_param)
+    return {
+        "master": master.reshape(-1),
+        "exp_avg": state["exp_avg"].reshape(-1),
+        "exp_avg_sq": state["exp_avg_sq"].reshape(-1),
+    }
+
+
+@runtime_checkable
+class CompressingGroup(ZeroGroup, Protocol):
+    """A group that can also run 1-bit Adam past its ``freeze_step`` (ZeRO
+    stages 0-1): gradients stay local and are exchanged compressed."""
+
+    def local_grads(self) -> Tensor:
+        """This rank's own (unreduced) gradients, flat."""
+        ...
+
+    def compressed_reduce(self, divisor: float) -> None:
+        """The gradient shard from every rank's local gradients, 1-bit
+        compressed with error feedback (see FlatGroup)."""
+        ...
