@@ -117,7 +117,7 @@ setup(
             "triton>=3.2",
             "numpy",
             "tensorboard>=2.12",
-        ],  # fmt: skip
+        ],
         "monitor": ["tensorboard>=2.12"],
         "peers": ["deepspeed>=0.14"],
     },

@@ -22,8 +22,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXPORT_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "FASTZERO_", "OMP_", "MKL_", "CUDA_", "TORCH_", "TRITON_", "LD_LIBRARY",
-                   "PATH", "HF_", "DS_")  # fmt: skip
+EXPORT_PREFIXES = (
+    "NCCL_",
+    "GLOO_",
+    "PYTHON",
+    "FASTZERO_",
+    "OMP_",
+    "MKL_",
+    "CUDA_",
+    "TORCH_",
+    "TRITON_",
+    "LD_LIBRARY",
+    "PATH",
+    "HF_",
+    "DS_",
+)
 
 
 class LaunchError(RuntimeError):
@@ -52,8 +65,15 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[tuple[str, int]]
 
 
 def torchrun_args(args: argparse.Namespace, nnodes: int, node_rank: int | str, nproc: int, master: str) -> list[str]:
-    out = ["-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
-           f"--nproc_per_node={nproc}", f"--master_addr={master}", f"--master_port={args.master_port}"]  # fmt: skip
+    out = [
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={nproc}",
+        f"--master_addr={master}",
+        f"--master_port={args.master_port}",
+    ]
     if args.max_restarts:
         out.append(f"--max_restarts={args.max_restarts}")
     return out + [args.script, *args.script_args]
@@ -69,8 +89,10 @@ def remote_commands(args: argparse.Namespace, hosts: list[tuple[str, int]]) -> l
             raise LaunchError(f"pdsh starts one command on every host; slots differ ({hosts}): use --launcher ssh")
         cmd = prefix + shlex.join(torchrun_args(args, len(hosts), "%n", hosts[0][1], master))
         return [["pdsh", "-S", "-f", "1024", "-w", ",".join(h for h, _ in hosts), cmd]]
-    return [["ssh", "-o", "BatchMode=yes", host, prefix + shlex.join(torchrun_args(args, len(hosts), i, slots, master))]
-            for i, (host, slots) in enumerate(hosts)]  # fmt: skip
+    return [
+        ["ssh", "-o", "BatchMode=yes", host, prefix + shlex.join(torchrun_args(args, len(hosts), i, slots, master))]
+        for i, (host, slots) in enumerate(hosts)
+    ]
 
 
 def run_all(commands: list[list[str]]) -> int:
@@ -98,8 +120,13 @@ def run_all(commands: list[list[str]]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastzero", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nproc_per_node", "--num_gpus", type=int, default=None,
-                   help="processes on this host (default: its GPUs, else 1)")  # fmt: skip
+    p.add_argument(
+        "--nproc_per_node",
+        "--num_gpus",
+        type=int,
+        default=None,
+        help="processes on this host (default: its GPUs, else 1)",
+    )
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node_rank", type=int, default=0)
     p.add_argument("--master_addr", default=None, help="rank 0's host (default: 127.0.0.1, or the hostfile's first)")
@@ -130,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 nproc = max(1, torch.cuda.device_count())
             if nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-                raise LaunchError(f"--nproc_per_node {nproc}, --nnodes {args.nnodes}, --node_rank {args.node_rank}: "
-                                  "need nproc >= 1 and 0 <= node_rank < nnodes")  # fmt: skip
+                raise LaunchError(
+                    f"--nproc_per_node {nproc}, --nnodes {args.nnodes}, --node_rank {args.node_rank}: "
+                    "need nproc >= 1 and 0 <= node_rank < nnodes"
+                )
             master = args.master_addr or "127.0.0.1"
             commands = [[sys.executable, *torchrun_args(args, args.nnodes, args.node_rank, nproc, master)]]
     except LaunchError as exc:

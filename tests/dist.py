@@ -22,10 +22,26 @@ def start_ranks(script, world: int, args: list[str] = (), env: dict | None = Non
     port = str(free_port())
     procs = []
     for rank in range(world):
-        penv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=penv, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        penv = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT),
+            **(env or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *map(str, args)],
+                env=penv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 

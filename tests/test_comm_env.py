@@ -13,13 +13,23 @@ def test_torchrun_variables():
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}
     d = dist_env(env)
     assert (d.rank, d.local_rank, d.world_size, d.master_addr, d.master_port, d.launcher) == (
-        3, 1, 4, "10.0.0.5", 1234, "torchrun",
-    )  # fmt: skip
+        3,
+        1,
+        4,
+        "10.0.0.5",
+        1234,
+        "torchrun",
+    )
 
 
 def test_openmpi_variables():
-    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "hostA"}  # fmt: skip
+    env = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_ADDR": "hostA",
+    }
     d = dist_env(env)
     assert (d.rank, d.local_rank, d.world_size, d.master_addr, d.launcher) == (2, 0, 4, "hostA", "mpirun")
     single_host = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
@@ -35,8 +45,9 @@ def test_slurm_variables():
     assert dist_env({**env, "MASTER_ADDR": "x"}).master_addr == "x"
 
 
-@pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("a[1-3]", "a1"), ("b[007,9]", "b007"),
-                                             ("c12,d[1-2]", "c12")])  # fmt: skip
+@pytest.mark.parametrize(
+    "nodelist, first", [("node1", "node1"), ("a[1-3]", "a1"), ("b[007,9]", "b007"), ("c12,d[1-2]", "c12")]
+)
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 

@@ -43,8 +43,18 @@ def test_low_precision_copy_rounds_exactly_like_torch(isa, seeded, c_dtype):
     master = torch.cat([torch.randn(100003) * torch.logspace(-9, 5, 100003), special])
     copy = torch.empty_like(master, dtype=c_dtype)
     m, v = torch.randn_like(master), torch.rand_like(master)
-    cpu_adam_step([master], [torch.randn_like(master)], [m], [v], step=3, lr=0.0, beta1=0.9, beta2=0.999,
-                  eps=1e-8, param_copies=[copy])  # fmt: skip
+    cpu_adam_step(
+        [master],
+        [torch.randn_like(master)],
+        [m],
+        [v],
+        step=3,
+        lr=0.0,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        param_copies=[copy],
+    )
     assert torch.equal(copy.view(torch.int16), master.to(c_dtype).view(torch.int16))
 
 
@@ -57,8 +67,9 @@ def test_low_precision_params_round_trip_exactly(isa, seeded, p_dtype):
     p = p[torch.isfinite(p.float())]
     before = p.clone()
     g = torch.randn(p.shape)
-    cpu_adam_step([p], [g], [torch.zeros(p.shape)], [torch.zeros(p.shape)], step=1, lr=0.0, beta1=0.9,
-                  beta2=0.999, eps=1e-8)  # fmt: skip
+    cpu_adam_step(
+        [p], [g], [torch.zeros(p.shape)], [torch.zeros(p.shape)], step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8
+    )
     assert torch.equal(p, before)  # value-exact (the sign of a zero may flip: -0 - 0*x, as in torch)
 
 

@@ -243,5 +243,10 @@ def test_deepspeed_positional_signature():
     opt = CPUAdam([p], 1e-3, False, (0.8, 0.9), 1e-6, 0.1, False, False, True)
     g = opt.param_groups[0]
     assert (g["lr"], g["bias_correction"], g["betas"], g["eps"], g["weight_decay"], g["adamw_mode"]) == (
-        1e-3, False, (0.8, 0.9), 1e-6, 0.1, False,
-    )  # fmt: skip
+        1e-3,
+        False,
+        (0.8, 0.9),
+        1e-6,
+        0.1,
+        False,
+    )

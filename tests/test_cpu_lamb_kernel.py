@@ -21,8 +21,13 @@ def test_every_dtype_combo_every_size(isa, seeded, combo):
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("grad_scale", [None, 512.0])
 def test_modes(isa, seeded, max_grad_norm, eps_inside_sqrt, bias_correction, grad_scale):
-    hyper = dict(HYPER, max_grad_norm=max_grad_norm, eps_inside_sqrt=eps_inside_sqrt,
-                 bias_correction=bias_correction, grad_scale=grad_scale)  # fmt: skip
+    hyper = dict(
+        HYPER,
+        max_grad_norm=max_grad_norm,
+        eps_inside_sqrt=eps_inside_sqrt,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+    )
     sizes, combo = [17, 1023, 70001], (F32, F32, F32, None)
     ratios, kernel, ref, ideal = run_both(cpu_lamb_step, reference.lamb_step, sizes, combo, **hyper)
     check_all(kernel, ref, ideal)
@@ -37,8 +42,9 @@ def test_trust_ratio_bounds_and_zero_norms(isa):
     params = [torch.zeros(100), torch.randn(1000), torch.randn(1000) * 100]
     grads = [torch.randn(100), torch.randn(1000), torch.randn(1000) * 1e-3]
     states = [[torch.zeros(t.shape) for t in params] for _ in range(2)]
-    ratios = cpu_lamb_step(params, grads, *states, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6,
-                           max_coeff=2.0, min_coeff=0.5)  # fmt: skip
+    ratios = cpu_lamb_step(
+        params, grads, *states, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, max_coeff=2.0, min_coeff=0.5
+    )
     assert ratios[0] == 1.0  # ||p|| = 0
     assert all(0.5 <= r <= 2.0 for r in ratios)
 

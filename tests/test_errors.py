@@ -50,11 +50,29 @@ def test_grad_with_other_shape():
     # functional API (what the ZeRO runtime calls) must check it itself.
     p2 = torch.nn.Parameter(torch.randn(2, 4))
     with pytest.raises(ValueError, match="elements"):
-        cpu_adam_step([p2.detach()], [torch.randn(9)], [torch.zeros(2, 4)], [torch.zeros(2, 4)],
-                      step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)  # fmt: skip
+        cpu_adam_step(
+            [p2.detach()],
+            [torch.randn(9)],
+            [torch.zeros(2, 4)],
+            [torch.zeros(2, 4)],
+            step=1,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+        )
     with pytest.raises(ValueError, match="shape"):
-        cpu_adam_step([p2.detach()], [torch.randn(4, 2)], [torch.zeros(2, 4)], [torch.zeros(2, 4)],
-                      step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)  # fmt: skip
+        cpu_adam_step(
+            [p2.detach()],
+            [torch.randn(4, 2)],
+            [torch.zeros(2, 4)],
+            [torch.zeros(2, 4)],
+            step=1,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+        )
 
 
 def test_sparse_grad():
@@ -67,8 +85,17 @@ def test_sparse_grad():
 
 def test_integer_param():
     with pytest.raises(TypeError, match="dtype"):
-        cpu_adam_step([torch.ones(3, dtype=torch.int32)], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)],
-                      step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)  # fmt: skip
+        cpu_adam_step(
+            [torch.ones(3, dtype=torch.int32)],
+            [torch.ones(3)],
+            [torch.zeros(3)],
+            [torch.zeros(3)],
+            step=1,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+        )
 
 
 def hyper(**kw):
@@ -88,14 +115,25 @@ def test_functional_non_contiguous_state():
 
 def test_functional_state_dtype():
     with pytest.raises(TypeError, match="optimizer states"):
-        cpu_adam_step([torch.ones(3)], [torch.ones(3)], [torch.zeros(3, dtype=torch.bfloat16)],
-                      [torch.zeros(3, dtype=torch.bfloat16)], **hyper())  # fmt: skip
+        cpu_adam_step(
+            [torch.ones(3)],
+            [torch.ones(3)],
+            [torch.zeros(3, dtype=torch.bfloat16)],
+            [torch.zeros(3, dtype=torch.bfloat16)],
+            **hyper(),
+        )
 
 
 def test_functional_copy_needs_fp32_master():
     with pytest.raises(TypeError, match="copies"):
-        cpu_adam_step([torch.ones(3, dtype=torch.bfloat16)], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)],
-                      param_copies=[torch.zeros(3, dtype=torch.bfloat16)], **hyper())  # fmt: skip
+        cpu_adam_step(
+            [torch.ones(3, dtype=torch.bfloat16)],
+            [torch.ones(3)],
+            [torch.zeros(3)],
+            [torch.zeros(3)],
+            param_copies=[torch.zeros(3, dtype=torch.bfloat16)],
+            **hyper(),
+        )
 
 
 @pytest.mark.parametrize("scale", [0.0, -2.0, float("inf")])

@@ -189,8 +189,13 @@ def test_deepspeed_positional_signatures():
     # FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad, set_grad_none)
     g = FusedAdam([p], 2e-3, False, (0.8, 0.9), 1e-6, False, 0.1, False, False).param_groups[0]
     assert (g["lr"], g["bias_correction"], g["betas"], g["eps"], g["adamw_mode"], g["weight_decay"]) == (
-        2e-3, False, (0.8, 0.9), 1e-6, False, 0.1,
-    )  # fmt: skip
+        2e-3,
+        False,
+        (0.8, 0.9),
+        1e-6,
+        False,
+        0.1,
+    )
     # FusedLamb(params, lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay, max_grad_norm,
     #           max_coeff, min_coeff, amsgrad)
     g = FusedLamb([p], 2e-3, False, (0.8, 0.9), 1e-6, True, 0.1, 1.0, 5.0, 0.1, False).param_groups[0]

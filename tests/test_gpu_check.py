@@ -18,8 +18,14 @@ def test_gpu_check_dry_run(tmp_path):
             pytest.fail("nvcc is missing in CI: the CUDA sources must be compiled there")
         pytest.skip("nvcc is not installed: the dry run cannot build the CUDA sources")
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=os.environ.get("PYTHON", "python"))
-    out = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run"], capture_output=True,
-                         text=True, env=env, cwd=REPO, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for step in ("env", "build_cpu", "compile_cuda", "bench_list"):
         assert f"ok      {step}" in out.stdout

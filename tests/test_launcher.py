@@ -21,8 +21,15 @@ def test_hostfile_is_parsed_with_deepspeeds_format():
     assert parse_hostfile(text) == [("worker-0", 4), ("worker-1", 2)]
 
 
-@pytest.mark.parametrize("text, match", [("worker-0 4", "expected 'hostname slots=N'"), ("a slots=0", "slots=0"),
-                                         ("a slots=1\na slots=2", "listed twice"), ("# none", "no hosts")])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("worker-0 4", "expected 'hostname slots=N'"),
+        ("a slots=0", "slots=0"),
+        ("a slots=1\na slots=2", "listed twice"),
+        ("# none", "no hosts"),
+    ],
+)
 def test_bad_hostfiles_are_named(text, match):
     with pytest.raises(LaunchError, match=match):
         parse_hostfile(text)
@@ -52,8 +59,13 @@ def test_missing_script_or_hostfile_is_an_error(tmp_path, capsys):
 
 def launch(args, out, env=None, prefix=()):
     cmd = [*prefix, sys.executable, "-m", "fastzero.launcher", *args, str(SCRIPT), str(out)]
-    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc, timeout=240):
@@ -127,7 +139,7 @@ def test_two_hosts_train_like_one_host_with_four_ranks(tmp_path, two_hosts):
             tmp_path / "multi.pt",
             env={"GLOO_SOCKET_IFNAME": dev},
             prefix=("ip", "netns", "exec", ns),
-        )  # fmt: skip
+        )
         for rank, (ns, dev, _) in enumerate(two_hosts)
     ]
     outs = [finish(p) for p in procs]

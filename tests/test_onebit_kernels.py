@@ -37,8 +37,12 @@ def check_unpack(backend, rows, row_bytes):
     scales = torch.rand(rows, generator=gen) + 0.1
     values = ref.decompress(bits, scales)
     assert torch.equal(onebit.unpack(bits, scales, backend=backend), values)
-    torch.testing.assert_close(onebit.unpack(bits, scales, average=True, backend=backend),
-                               values.reshape(rows, -1).mean(0), rtol=1e-6, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        onebit.unpack(bits, scales, average=True, backend=backend),
+        values.reshape(rows, -1).mean(0),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -49,10 +49,22 @@ def test_overflow_at_the_minimum_raises():
 def test_dynamic_scaler_matches_deepspeed(consecutive, hysteresis, monkeypatch):
     ds = deepspeed_module("deepspeed.runtime.fp16.loss_scaler")
     monkeypatch.setattr(ds.dist, "get_rank", lambda: 0)
-    theirs = ds.DynamicLossScaler(init_scale=2.0**16, scale_window=4, min_scale=1.0, delayed_shift=hysteresis,
-                                  consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)  # fmt: skip
-    ours = DynamicLossScaler(init_scale=2.0**16, scale_window=4, min_scale=1.0, hysteresis=hysteresis,
-                             consecutive_hysteresis=consecutive, raise_at_min=False)  # fmt: skip
+    theirs = ds.DynamicLossScaler(
+        init_scale=2.0**16,
+        scale_window=4,
+        min_scale=1.0,
+        delayed_shift=hysteresis,
+        consecutive_hysteresis=consecutive,
+        raise_error_at_min_scale=False,
+    )
+    ours = DynamicLossScaler(
+        init_scale=2.0**16,
+        scale_window=4,
+        min_scale=1.0,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        raise_at_min=False,
+    )
     gen = torch.Generator().manual_seed(hysteresis + 10 * consecutive)
     for _ in range(200):
         overflow = bool(torch.rand((), generator=gen) < 0.3)
@@ -127,7 +139,7 @@ def test_warmup_lr_hand_worked():
                 decay_mom_rate=0.1,
                 cycle_first_stair_count=4,
             ),
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_schedules_match_deepspeed(ours, theirs_name, kwargs):

@@ -93,9 +93,14 @@ def run(path, q, k, v, lay, block, causal, kpm, am, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     "block, dim, causal, kind",
-    [(16, 16, False, ""), (16, 32, True, "kpm"), (32, 16, False, "kpm+am"), (16, 16, True, "am+head"),
-     (32, 32, True, "kpm+am+head")],
-)  # fmt: skip
+    [
+        (16, 16, False, ""),
+        (16, 32, True, "kpm"),
+        (32, 16, False, "kpm+am"),
+        (16, 16, True, "am+head"),
+        (32, 32, True, "kpm+am+head"),
+    ],
+)
 def test_forward_and_gradients_match_dense_attention(path, block, dim, causal, kind, monkeypatch):
     batch, heads, nb = 2, 2, 4
     seq = nb * block
@@ -162,8 +167,9 @@ def test_low_precision_cpu_path_tracks_fp64(dtype):
 def test_module_pads_unpads_and_applies_masks_by_mode(mode):
     block, heads, seq = 16, 2, 45  # not a multiple of the block
     lay = random_layout(heads, 4, True, density=0.7)
-    attn = SparseAttention(LayoutConfig(lay, block, "unidirectional"), key_padding_mask_mode=mode,
-                           attn_mask_mode=mode, max_seq_length=64)  # fmt: skip
+    attn = SparseAttention(
+        LayoutConfig(lay, block, "unidirectional"), key_padding_mask_mode=mode, attn_mask_mode=mode, max_seq_length=64
+    )
     q, k, v = inputs(2, heads, seq, 16)
     keep_keys = torch.ones(2, seq)
     keep_keys[1, -4:] = 0
@@ -179,8 +185,11 @@ def test_module_pads_unpads_and_applies_masks_by_mode(mode):
     # the reference on the unpadded sequence: the layout's mask cut to seq, the masks made additive
     q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
     keep = expand_layout(lay, block, True)[None, :, :seq, :seq]
-    add = (torch.zeros(2, seq).masked_fill(keep_keys == 0, float("-inf")).double()[:, None, None, :]
-           + torch.zeros(seq, seq).masked_fill(rows == 0, float("-inf")).double() + rpe.double()[None])  # fmt: skip
+    add = (
+        torch.zeros(2, seq).masked_fill(keep_keys == 0, float("-inf")).double()[:, None, None, :]
+        + torch.zeros(seq, seq).masked_fill(rows == 0, float("-inf")).double()
+        + rpe.double()[None]
+    )
     ref = dense_attention(q2, k2, v2, keep, 16**-0.5, add)
     check(out, [t.grad for t in (q, k, v)], ref, (q2, k2, v2), dout)
 
@@ -239,14 +248,21 @@ def test_torch_compile_traces_the_module_without_a_graph_break():
 CONFIGS = [
     lambda: sz.DenseSparsityConfig(num_heads=2, block=16),
     lambda: sz.FixedSparsityConfig(num_heads=2, block=16, num_local_blocks=2, num_global_blocks=1),
-    lambda: sz.FixedSparsityConfig(num_heads=2, block=16, num_local_blocks=2, attention="unidirectional",
-                                   different_layout_per_head=True, num_different_global_patterns=2),
-    lambda: sz.VariableSparsityConfig(num_heads=2, block=16, num_random_blocks=1, local_window_blocks=[1, 2],
-                                      global_block_indices=[0], seed=3),
+    lambda: sz.FixedSparsityConfig(
+        num_heads=2,
+        block=16,
+        num_local_blocks=2,
+        attention="unidirectional",
+        different_layout_per_head=True,
+        num_different_global_patterns=2,
+    ),
+    lambda: sz.VariableSparsityConfig(
+        num_heads=2, block=16, num_random_blocks=1, local_window_blocks=[1, 2], global_block_indices=[0], seed=3
+    ),
     lambda: sz.BigBirdSparsityConfig(num_heads=2, block=16, num_random_blocks=1, attention="unidirectional", seed=4),
     lambda: sz.BSLongformerSparsityConfig(num_heads=2, block=16, num_sliding_window_blocks=3, global_block_indices=[1]),
     lambda: sz.LocalSlidingWindowSparsityConfig(num_heads=2, block=16, num_sliding_window_blocks=3),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -61,28 +61,54 @@ def all_configs():
         (DenseSparsityConfig, dict(block=16, different_layout_per_head=False)),
         (
             FixedSparsityConfig,
-            dict(block=16, different_layout_per_head=False, num_local_blocks=4, num_global_blocks=1,
-                 attention="bidirectional", horizontal_global_attention=False, num_different_global_patterns=1),
+            dict(
+                block=16,
+                different_layout_per_head=False,
+                num_local_blocks=4,
+                num_global_blocks=1,
+                attention="bidirectional",
+                horizontal_global_attention=False,
+                num_different_global_patterns=1,
+            ),
         ),
         (
             VariableSparsityConfig,
-            dict(block=16, different_layout_per_head=False, num_random_blocks=0, local_window_blocks=[4],
-                 global_block_indices=[0], global_block_end_indices=None, attention="bidirectional",
-                 horizontal_global_attention=False),
+            dict(
+                block=16,
+                different_layout_per_head=False,
+                num_random_blocks=0,
+                local_window_blocks=[4],
+                global_block_indices=[0],
+                global_block_end_indices=None,
+                attention="bidirectional",
+                horizontal_global_attention=False,
+            ),
         ),
         (
             BigBirdSparsityConfig,
-            dict(block=16, different_layout_per_head=False, num_random_blocks=1, num_sliding_window_blocks=3,
-                 num_global_blocks=1, attention="bidirectional"),
+            dict(
+                block=16,
+                different_layout_per_head=False,
+                num_random_blocks=1,
+                num_sliding_window_blocks=3,
+                num_global_blocks=1,
+                attention="bidirectional",
+            ),
         ),
         (
             BSLongformerSparsityConfig,
-            dict(block=16, different_layout_per_head=False, num_sliding_window_blocks=3, global_block_indices=[0],
-                 global_block_end_indices=None, attention="bidirectional"),
+            dict(
+                block=16,
+                different_layout_per_head=False,
+                num_sliding_window_blocks=3,
+                global_block_indices=[0],
+                global_block_end_indices=None,
+                attention="bidirectional",
+            ),
         ),
         (LocalSlidingWindowSparsityConfig, dict(block=16, num_sliding_window_blocks=3, attention="unidirectional")),
     ],
-)  # fmt: skip
+)
 def test_defaults_and_positional_order_match_deepspeed(cls, defaults):
     params = list(inspect.signature(cls).parameters.values())
     assert params[0].name == "num_heads"
@@ -304,8 +330,14 @@ def test_variable_global_spans_and_out_of_range_indices():
     expected = torch.eye(8, dtype=torch.int64)
     expected[:, 1] = 1
     assert torch.equal(skipped, expected)
-    causal = VariableSparsityConfig(1, 1, local_window_blocks=[1], global_block_indices=[2],
-                                    global_block_end_indices=[4], attention="unidirectional")  # fmt: skip
+    causal = VariableSparsityConfig(
+        1,
+        1,
+        local_window_blocks=[1],
+        global_block_indices=[2],
+        global_block_end_indices=[4],
+        attention="unidirectional",
+    )
     got = causal.make_layout(8)[0]
     assert torch.equal(got, got.tril()) and got[2:, 2].all() and got[3:, 3].all() and got[2, 3] == 0
 
@@ -496,45 +528,87 @@ def test_every_config_shape_diagonal_and_causality(config):
 CONSTRUCTION_ERRORS = [
     (lambda: SparsityConfig(0), ValueError, r"num_heads must be an integer >= 1, got 0"),
     (lambda: DenseSparsityConfig(2, block=0), ValueError, r"block must be an integer >= 1, got 0"),
-    (lambda: FixedSparsityConfig(2, num_local_blocks=4, num_global_blocks=3), ValueError,
-     r"num_local_blocks \(4\) must be a multiple of num_global_blocks \(3\)"),
+    (
+        lambda: FixedSparsityConfig(2, num_local_blocks=4, num_global_blocks=3),
+        ValueError,
+        r"num_local_blocks \(4\) must be a multiple of num_global_blocks \(3\)",
+    ),
     (lambda: FixedSparsityConfig(2, num_global_blocks=0), ValueError, r"num_global_blocks must be an integer >= 1"),
     (lambda: FixedSparsityConfig(2, num_local_blocks=0), ValueError, r"num_local_blocks must be an integer >= 1"),
-    (lambda: FixedSparsityConfig(2, attention="sideways"), NotImplementedError,
-     r"attention must be 'unidirectional' or 'bidirectional', got 'sideways'"),
-    (lambda: FixedSparsityConfig(2, attention="unidirectional", horizontal_global_attention=True), ValueError,
-     r"horizontal_global_attention=True needs attention='bidirectional', got 'unidirectional'"),
-    (lambda: FixedSparsityConfig(2, num_different_global_patterns=2), ValueError,
-     r"num_different_global_patterns \(2\) > 1 needs different_layout_per_head=True"),
-    (lambda: FixedSparsityConfig(2, 16, True, 4, 2, num_different_global_patterns=3), ValueError,
-     r"num_different_global_patterns \(3\) must be at most num_local_blocks // num_global_blocks = 4 // 2 = 2"),
-    (lambda: FixedSparsityConfig(2, 16, True, num_different_global_patterns=0), ValueError,
-     r"num_different_global_patterns must be an integer >= 1, got 0"),
-    (lambda: VariableSparsityConfig(2, global_block_indices=[0, 4], global_block_end_indices=[2]), ValueError,
-     r"global_block_end_indices has 1 entries but global_block_indices has 2"),
-    (lambda: VariableSparsityConfig(2, global_block_indices=[0, 4], global_block_end_indices=[2, 4]), ValueError,
-     r"global_block_indices\[1\] \(4\) must be smaller than global_block_end_indices\[1\] \(4\)"),
-    (lambda: VariableSparsityConfig(2, global_block_indices=[-1]), ValueError,
-     r"global_block_indices\[0\] must be an integer >= 0, got -1"),
+    (
+        lambda: FixedSparsityConfig(2, attention="sideways"),
+        NotImplementedError,
+        r"attention must be 'unidirectional' or 'bidirectional', got 'sideways'",
+    ),
+    (
+        lambda: FixedSparsityConfig(2, attention="unidirectional", horizontal_global_attention=True),
+        ValueError,
+        r"horizontal_global_attention=True needs attention='bidirectional', got 'unidirectional'",
+    ),
+    (
+        lambda: FixedSparsityConfig(2, num_different_global_patterns=2),
+        ValueError,
+        r"num_different_global_patterns \(2\) > 1 needs different_layout_per_head=True",
+    ),
+    (
+        lambda: FixedSparsityConfig(2, 16, True, 4, 2, num_different_global_patterns=3),
+        ValueError,
+        r"num_different_global_patterns \(3\) must be at most num_local_blocks // num_global_blocks = 4 // 2 = 2",
+    ),
+    (
+        lambda: FixedSparsityConfig(2, 16, True, num_different_global_patterns=0),
+        ValueError,
+        r"num_different_global_patterns must be an integer >= 1, got 0",
+    ),
+    (
+        lambda: VariableSparsityConfig(2, global_block_indices=[0, 4], global_block_end_indices=[2]),
+        ValueError,
+        r"global_block_end_indices has 1 entries but global_block_indices has 2",
+    ),
+    (
+        lambda: VariableSparsityConfig(2, global_block_indices=[0, 4], global_block_end_indices=[2, 4]),
+        ValueError,
+        r"global_block_indices\[1\] \(4\) must be smaller than global_block_end_indices\[1\] \(4\)",
+    ),
+    (
+        lambda: VariableSparsityConfig(2, global_block_indices=[-1]),
+        ValueError,
+        r"global_block_indices\[0\] must be an integer >= 0, got -1",
+    ),
     (lambda: VariableSparsityConfig(2, local_window_blocks=[]), ValueError, r"local_window_blocks must list at least"),
-    (lambda: VariableSparsityConfig(2, local_window_blocks=[2, 0]), ValueError,
-     r"local_window_blocks\[1\] must be an integer >= 1, got 0"),
+    (
+        lambda: VariableSparsityConfig(2, local_window_blocks=[2, 0]),
+        ValueError,
+        r"local_window_blocks\[1\] must be an integer >= 1, got 0",
+    ),
     (lambda: VariableSparsityConfig(2, num_random_blocks=-1), ValueError, r"num_random_blocks must be an integer >= 0"),
     (lambda: VariableSparsityConfig(2, attention="causal"), NotImplementedError, r"attention must be .* got 'causal'"),
-    (lambda: VariableSparsityConfig(2, attention="unidirectional", horizontal_global_attention=True), ValueError,
-     r"horizontal_global_attention=True needs attention='bidirectional'"),
+    (
+        lambda: VariableSparsityConfig(2, attention="unidirectional", horizontal_global_attention=True),
+        ValueError,
+        r"horizontal_global_attention=True needs attention='bidirectional'",
+    ),
     (lambda: VariableSparsityConfig(2, seed=1, generator=random.Random(1)), ValueError, r"pass seed or generator"),
     (lambda: BigBirdSparsityConfig(2, generator=1), ValueError, r"generator must be a random.Random, got int"),
     (lambda: BigBirdSparsityConfig(2, attention="both"), NotImplementedError, r"attention must be .* got 'both'"),
-    (lambda: BigBirdSparsityConfig(2, num_sliding_window_blocks=0), ValueError,
-     r"num_sliding_window_blocks must be an integer >= 1, got 0"),
-    (lambda: BSLongformerSparsityConfig(2, global_block_indices=[1], global_block_end_indices=[2, 3]), ValueError,
-     r"global_block_end_indices has 2 entries but global_block_indices has 1"),
-    (lambda: BSLongformerSparsityConfig(2, global_block_indices=[3], global_block_end_indices=[1]), ValueError,
-     r"global_block_indices\[0\] \(3\) must be smaller than global_block_end_indices\[0\] \(1\)"),
+    (
+        lambda: BigBirdSparsityConfig(2, num_sliding_window_blocks=0),
+        ValueError,
+        r"num_sliding_window_blocks must be an integer >= 1, got 0",
+    ),
+    (
+        lambda: BSLongformerSparsityConfig(2, global_block_indices=[1], global_block_end_indices=[2, 3]),
+        ValueError,
+        r"global_block_end_indices has 2 entries but global_block_indices has 1",
+    ),
+    (
+        lambda: BSLongformerSparsityConfig(2, global_block_indices=[3], global_block_end_indices=[1]),
+        ValueError,
+        r"global_block_indices\[0\] \(3\) must be smaller than global_block_end_indices\[0\] \(1\)",
+    ),
     (lambda: BSLongformerSparsityConfig(2, attention="causal"), NotImplementedError, r"got 'causal'"),
     (lambda: LocalSlidingWindowSparsityConfig(2, attention="causal"), NotImplementedError, r"got 'causal'"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("make, error, message", CONSTRUCTION_ERRORS)
@@ -546,15 +620,21 @@ def test_construction_errors(make, error, message):
 LAYOUT_ERRORS = [
     (DenseSparsityConfig(2, block=16), 40, r"seq_len \(40\) must be a positive multiple of block \(16\)"),
     (FixedSparsityConfig(2, block=16), 0, r"seq_len \(0\) must be a positive multiple of block \(16\)"),
-    (VariableSparsityConfig(2, 4, num_random_blocks=3), 8,
-     r"num_random_blocks \(3\) must be at most the number of blocks in a row \(2\)"),
+    (
+        VariableSparsityConfig(2, 4, num_random_blocks=3),
+        8,
+        r"num_random_blocks \(3\) must be at most the number of blocks in a row \(2\)",
+    ),
     (BigBirdSparsityConfig(2, 4, num_random_blocks=3), 8, r"num_random_blocks \(3\) must be at most .* \(2\)"),
     (BigBirdSparsityConfig(2, 4, num_random_blocks=0), 8, r"num_sliding_window_blocks \(3\) must be at most .* \(2\)"),
     (BigBirdSparsityConfig(2, 4, 0, 0, 1, num_global_blocks=3), 8, r"num_global_blocks \(3\) must be at most .* \(2\)"),
-    (BSLongformerSparsityConfig(2, 4, num_sliding_window_blocks=5), 16,
-     r"num_sliding_window_blocks \(5\) must be at most the number of blocks in a row \(4\)"),
+    (
+        BSLongformerSparsityConfig(2, 4, num_sliding_window_blocks=5),
+        16,
+        r"num_sliding_window_blocks \(5\) must be at most the number of blocks in a row \(4\)",
+    ),
     (LocalSlidingWindowSparsityConfig(2, 4), 8, r"num_sliding_window_blocks \(3\) must be at most .* \(2\)"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("config, seq_len, message", LAYOUT_ERRORS)

@@ -36,10 +36,15 @@ def branchy_reference(world, steps=10, gas=2, lr=1e-2, clip=0.5):
 
 
 def test_stage3_matches_torch_adamw_with_and_without_prefetch(tmp_path):
-    runs = [dict(stage=3, zero=NO_PREFETCH), dict(stage=3, zero=PREFETCH), dict(stage=3, zero=PREFETCH, dtype="bf16"),
-            dict(stage=3, zero=PREFETCH, offload=True), dict(stage=3, zero=PREFETCH, offload=True, offload_param=True),
-            dict(stage=3, zero=PREFETCH, init=True), dict(stage=3, zero=NO_PREFETCH, init=True, offload=True,
-                                                          offload_param=True, dtype="bf16")]  # fmt: skip
+    runs = [
+        dict(stage=3, zero=NO_PREFETCH),
+        dict(stage=3, zero=PREFETCH),
+        dict(stage=3, zero=PREFETCH, dtype="bf16"),
+        dict(stage=3, zero=PREFETCH, offload=True),
+        dict(stage=3, zero=PREFETCH, offload=True, offload_param=True),
+        dict(stage=3, zero=PREFETCH, init=True),
+        dict(stage=3, zero=NO_PREFETCH, init=True, offload=True, offload_param=True, dtype="bf16"),
+    ]
     results = train(tmp_path, 2, runs)
     want = reference(2)
     for run, ranks in zip(runs, results):
@@ -65,8 +70,9 @@ def test_param_memory_is_partitioned_and_live_params_stay_under_the_limits(tmp_p
     persistent small ones whole; while it runs, the gathered params stay
     under stage3_max_live_parameters (plus the one a module needs)."""
     limit = 3000  # elements: the 65x33 and 17x65 weights are 2145 and 1105
-    zero = dict(PREFETCH, stage3_max_live_parameters=limit, stage3_max_reuse_distance=10**9,
-                stage3_prefetch_bucket_size=2200)  # fmt: skip
+    zero = dict(
+        PREFETCH, stage3_max_live_parameters=limit, stage3_max_reuse_distance=10**9, stage3_prefetch_bucket_size=2200
+    )
     runs = [dict(stage=3, steps=3, zero=zero)]
     (ranks,) = train(tmp_path, 2, runs)
     model = make_model()
@@ -109,16 +115,19 @@ def test_checkpoints_between_stage3_and_stage1_across_world_sizes(tmp_path, save
     gas = lambda world: 8 // world  # noqa: E731 - the same global batch of 32 at any world size
     train(tmp_path, s_world, [dict(stage=s_stage, gas=gas(s_world), steps=3, save_at=3, save=path, zero=PREFETCH)])
     (tmp_path / "b").mkdir()
-    (resumed,) = train(tmp_path / "b", l_world, [dict(stage=l_stage, gas=gas(l_world), steps=6, start=3, load=path,
-                                                      zero=PREFETCH)])  # fmt: skip
+    (resumed,) = train(
+        tmp_path / "b", l_world, [dict(stage=l_stage, gas=gas(l_world), steps=6, start=3, load=path, zero=PREFETCH)]
+    )
     want = reference(4, steps=6)
     for res in resumed:
         assert_params(res["params"], want)
 
 
 def test_save_16bit_model_matches_the_consolidated_model(tmp_path):
-    config = cfg(bf16={"enabled": True}, zero_optimization=dict(PREFETCH, stage=3,
-                 stage3_gather_16bit_weights_on_model_save=True))  # fmt: skip
+    config = cfg(
+        bf16={"enabled": True},
+        zero_optimization=dict(PREFETCH, stage=3, stage3_gather_16bit_weights_on_model_save=True),
+    )
     engine, *_ = fastzero.initialize(model=make_model(), config=config)
     for x, y in batches(3):
         engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))

@@ -26,8 +26,18 @@ NO_COPY = [(p, g, s, None) for p, g, s, _ in COMBOS]  # mixed lists: copies are 
 WITH_COPY = [c for c in COMBOS if c[3] is not None] + [(F32, F32, F32, F16)]
 MODES_MIX = [(F32, BF16, F32, None), (BF16, BF16, BF16, None), (F16, F32, F16, None)]  # 3 launches, not 12
 ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, bias_correction=True, adamw_mode=True)
-LAMB = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, eps_inside_sqrt=False, weight_decay=0.05,
-            bias_correction=True, max_grad_norm=1.0, max_coeff=10.0, min_coeff=0.01)  # fmt: skip
+LAMB = dict(
+    lr=1e-2,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-6,
+    eps_inside_sqrt=False,
+    weight_decay=0.05,
+    bias_correction=True,
+    max_grad_norm=1.0,
+    max_coeff=10.0,
+    min_coeff=0.01,
+)
 # ||p|| / ||u|| of ~1, ~100 (clamped to max_coeff) and ~1e-3 (clamped to min_coeff).
 LAMB_SCALES = [1.0, 100.0, 1e-3]
 
@@ -75,8 +85,10 @@ def run_all(opt, sizes, combos, steps=20, scales=(1.0,), grad_scale=3.0, **hyper
                 reference.adam_step(*t[:4], step=step, grad_scale=grad_scale, param_copies=t[4], **hyper)
         else:
             lamb.lamb_step(*kernel[:4], **kw, coeffs_out=coeffs, **hyper)
-            ratios = [reference.lamb_step(*t[:4], step=step, grad_scale=grad_scale, param_copies=t[4], **hyper)
-                      for t in (ref, ideal)]  # fmt: skip
+            ratios = [
+                reference.lamb_step(*t[:4], step=step, grad_scale=grad_scale, param_copies=t[4], **hyper)
+                for t in (ref, ideal)
+            ]
     return kernel, ref, ideal, (coeffs, *ratios)
 
 
@@ -153,8 +165,9 @@ def test_adam_copy_rounds_exactly_like_torch(c_dtype):
     master = torch.cat([torch.randn(9000) * torch.logspace(-9, 5, 9000), special, ties, -ties]).to(DEVICE)
     copy = torch.empty_like(master, dtype=c_dtype)
     m, v = torch.randn_like(master), torch.rand_like(master)
-    adam.adam_step([master], [torch.randn_like(master)], [m], [v], step=scalar(3), param_copies=[copy],
-                   **dict(ADAM, lr=0.0))  # fmt: skip
+    adam.adam_step(
+        [master], [torch.randn_like(master)], [m], [v], step=scalar(3), param_copies=[copy], **dict(ADAM, lr=0.0)
+    )
     assert torch.equal(copy.view(torch.int16), master.to(c_dtype).view(torch.int16))
 
 
@@ -166,8 +179,9 @@ def test_low_precision_params_round_trip_exactly(p_dtype):
     p = p[torch.isfinite(p.float())].to(DEVICE)
     before = p.clone()
     zeros = torch.zeros(p.shape, device=DEVICE)
-    adam.adam_step([p], [torch.randn(p.shape, device=DEVICE)], [zeros], [zeros.clone()], step=scalar(1),
-                   **dict(ADAM, lr=0.0))  # fmt: skip
+    adam.adam_step(
+        [p], [torch.randn(p.shape, device=DEVICE)], [zeros], [zeros.clone()], step=scalar(1), **dict(ADAM, lr=0.0)
+    )
     assert torch.equal(p, before)
 
 
@@ -305,6 +319,7 @@ def test_kernels_compile_for_sm90_with_vectorized_loads():
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("triton was installed without its NVIDIA backend (ptxas)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_FOR_SM90)], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_COMPILE_FOR_SM90)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

@@ -3,14 +3,28 @@ environment, recorded asynchronous collectives, the flat bucket layout
 with bucketed reduce-scatter / all-gather that the ZeRO stages use, and
 1-bit Adam's compressed all-reduce."""
 
-from fastzero.comm.buckets import GradReducer, gather_params
+from fastzero.comm.buckets import BufferPool, GradReducer, gather_params
 from fastzero.comm.collectives import Comm, CommEvent, Handle
 from fastzero.comm.compressed import compressed_allreduce, compressed_reduce_scatter, error_buffers, padded_numel
 from fastzero.comm.env import DistEnv, default_backend, dist_env, init_distributed
 from fastzero.comm.layout import Bucket, FlatLayout, Segment
 
 __all__ = [
-    "Bucket", "Comm", "CommEvent", "DistEnv", "FlatLayout", "GradReducer", "Handle", "Segment", "compressed_allreduce",
-    "compressed_reduce_scatter", "padded_numel",
-    "default_backend", "dist_env", "error_buffers", "gather_params", "init_distributed",
-]  # fmt: skip
+    "Bucket",
+    "BufferPool",
+    "Comm",
+    "CommEvent",
+    "DistEnv",
+    "FlatLayout",
+    "GradReducer",
+    "Handle",
+    "Segment",
+    "compressed_allreduce",
+    "compressed_reduce_scatter",
+    "default_backend",
+    "dist_env",
+    "error_buffers",
+    "gather_params",
+    "init_distributed",
+    "padded_numel",
+]

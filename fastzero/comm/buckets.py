@@ -65,9 +65,18 @@ class BufferPool:
 
 
 class GradReducer:
-    def __init__(self, comm: Comm, layout: FlatLayout, mode: str, *, shard: Tensor | None = None,
-                 flat: Tensor | None = None, overlap: bool = True, tag: str = "grad",
-                 pool: BufferPool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        comm: Comm,
+        layout: FlatLayout,
+        mode: str,
+        *,
+        shard: Tensor | None = None,
+        flat: Tensor | None = None,
+        overlap: bool = True,
+        tag: str = "grad",
+        pool: BufferPool | None = None,
+    ) -> None:
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode {mode!r}: 'all_reduce' or 'reduce_scatter'")
         if mode == "all_reduce" and flat is None:

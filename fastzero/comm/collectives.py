@@ -38,8 +38,16 @@ class CommEvent:
         w = self.world_size
         if w == 1:
             return 0.0
-        return self.nbytes * {"all_reduce": 2 * (w - 1) / w, "reduce_scatter": (w - 1) / w,
-                              "all_to_all": (w - 1) / w, "all_gather": w - 1, "broadcast": 1}[self.op]  # fmt: skip
+        return (
+            self.nbytes
+            * {
+                "all_reduce": 2 * (w - 1) / w,
+                "reduce_scatter": (w - 1) / w,
+                "all_to_all": (w - 1) / w,
+                "all_gather": w - 1,
+                "broadcast": 1,
+            }[self.op]
+        )
 
 
 class Handle:

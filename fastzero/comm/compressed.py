@@ -28,8 +28,10 @@ def error_buffers(numel: int, world_size: int, device=None) -> tuple[Tensor, Ten
     """Zeroed (worker error, server error) for a tensor of `numel` elements:
     persistent state (they belong in checkpoints)."""
     padded = padded_numel(numel, world_size)
-    return (torch.zeros(padded, dtype=torch.float32, device=device),
-            torch.zeros(padded // world_size, dtype=torch.float32, device=device))  # fmt: skip
+    return (
+        torch.zeros(padded, dtype=torch.float32, device=device),
+        torch.zeros(padded // world_size, dtype=torch.float32, device=device),
+    )
 
 
 def _check_errors(numel: int, world: int, worker_error: Tensor, server_error: Tensor | None) -> None:
@@ -57,8 +59,9 @@ def _exchange(flat: Tensor, worker_error: Tensor, comm: Comm, tag: str) -> Tenso
     return onebit.unpack(received, mine, average=True)
 
 
-def compressed_reduce_scatter(tensor: Tensor, worker_error: Tensor, comm: Comm | None = None,
-                              tag: str = "compressed") -> Tensor:  # fmt: skip
+def compressed_reduce_scatter(
+    tensor: Tensor, worker_error: Tensor, comm: Comm | None = None, tag: str = "compressed"
+) -> Tensor:
     """This rank's chunk (the r-th of `world` equal chunks of `tensor`, fp32
     and a multiple of 8 * world elements) of the average over ranks, 1-bit
     compressed on the way with error feedback in `worker_error`. Phase 1 of
@@ -74,8 +77,14 @@ def compressed_reduce_scatter(tensor: Tensor, worker_error: Tensor, comm: Comm |
     return _exchange(tensor.reshape(-1), worker_error, comm, tag)
 
 
-def compressed_allreduce(tensor: Tensor, worker_error: Tensor, server_error: Tensor, comm: Comm | None = None,
-                         tag: str = "compressed", out: Tensor | None = None) -> Tensor:  # fmt: skip
+def compressed_allreduce(
+    tensor: Tensor,
+    worker_error: Tensor,
+    server_error: Tensor,
+    comm: Comm | None = None,
+    tag: str = "compressed",
+    out: Tensor | None = None,
+) -> Tensor:
     """The average of `tensor` over ranks, 1-bit compressed both ways; the
     error buffers (from :func:`error_buffers`) are updated in place. Every
     rank gets the same result. `out` (fp32, contiguous, padded_numel

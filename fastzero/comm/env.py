@@ -76,8 +76,9 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     else:
         return DistEnv(0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
     if world < 1 or not 0 <= rank < world or local < 0:
-        raise RuntimeError(f"inconsistent launcher environment ({launcher}): rank {rank}, local rank {local}, "
-                           f"world size {world}")  # fmt: skip
+        raise RuntimeError(
+            f"inconsistent launcher environment ({launcher}): rank {rank}, local rank {local}, world size {world}"
+        )
     return DistEnv(rank, local, world, addr, port, launcher)
 
 
@@ -107,9 +108,12 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-        world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
+        backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     atexit.register(_destroy)  # the group this call made; left alive, torch's teardown at exit may abort
     return env
 

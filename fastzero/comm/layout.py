@@ -73,8 +73,11 @@ class FlatLayout:
         self.param_buckets: list[list[tuple[int, int]]] = []
         for i, n in enumerate(self.numels):
             lo, hi = self.offsets[i], self.offsets[i] + n
-            touched = [(b.index, min(hi, b.start + b.size) - max(lo, b.start)) for b in self.buckets
-                       if b.start < hi and lo < b.start + b.size]  # fmt: skip
+            touched = [
+                (b.index, min(hi, b.start + b.size) - max(lo, b.start))
+                for b in self.buckets
+                if b.start < hi and lo < b.start + b.size
+            ]
             self.param_buckets.append(touched)
         self.bucket_numel = [0] * len(self.buckets)  # param elements per bucket (the rest is padding)
         for touched in self.param_buckets:

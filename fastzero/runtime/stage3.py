@@ -32,8 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.comm import Comm, FlatLayout, GradReducer, Handle
-from fastzero.comm.buckets import BufferPool  # not among fastzero.comm's public names (yet)
+from fastzero.comm import BufferPool, Comm, FlatLayout, GradReducer, Handle
 from fastzero.runtime.groups import Piece, ZeroGroup
 
 WHOLE = 1 << 62  # one bucket per param

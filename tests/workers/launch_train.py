@@ -10,8 +10,11 @@ import fastzero
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-config = {"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-          "zero_optimization": {"stage": 2, "reduce_bucket_size": 256, "overlap_comm": True}}  # fmt: skip
+config = {
+    "train_batch_size": 16,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 256, "overlap_comm": True},
+}
 engine, *_ = fastzero.initialize(model=model, config=config)
 rank, world, mbs = engine.comm.rank, engine.comm.world_size, engine.train_micro_batch_size_per_gpu()
 for step in range(4):

@@ -33,8 +33,9 @@ def make_model(kind: str = "mlp"):
     torch.manual_seed(0)
     if kind == "branchy":
         return Branchy()
-    return torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 17),
-                               torch.nn.LayerNorm(17))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 17), torch.nn.LayerNorm(17)
+    )
 
 
 def global_batch(step: int, rows: int):
@@ -48,10 +49,14 @@ def config(run: dict) -> dict:
         "gradient_accumulation_steps": run.get("gas", 2),
         "optimizer": {"type": "AdamW", "params": {"lr": run.get("lr", 1e-2), "weight_decay": 0.1}},
         "gradient_clipping": run.get("clip", 0.5),
-        "zero_optimization": {"stage": run["stage"], "overlap_comm": run.get("overlap", True),
-                              "reduce_bucket_size": run.get("bucket", 640), "allgather_bucket_size": 100000},
+        "zero_optimization": {
+            "stage": run["stage"],
+            "overlap_comm": run.get("overlap", True),
+            "reduce_bucket_size": run.get("bucket", 640),
+            "allgather_bucket_size": 100000,
+        },
         "steps_per_print": 1000,
-    }  # fmt: skip
+    }
     cfg["zero_optimization"].update(run.get("zero", {}))
     if run.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -115,7 +120,7 @@ def train(run: dict) -> None:
                 (g.layout.numel, g.layout.total, g.layout.shard_size, len(g.layout.buckets))
                 for g in engine.groups
                 if hasattr(g, "layout")
-            ],  # fmt: skip
+            ],
             grad_launches=[e.launched - backward_end for e in engine.comm.events(tag="grad")],
             grad_ops=sorted({e.op for e in engine.comm.events(tag="grad")}),
             scales=scales,
