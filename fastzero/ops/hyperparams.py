@@ -31,6 +31,15 @@ class Hyperparams:
 
     family: ClassVar[str] = ""
     labels: ClassVar[dict[str, str]] = {"lr": "learning rate (lr)"}  # how errors name a field, where not its name
+    # The ranges of the fields the optimizer families share: (low, high or None, high excluded).
+    ranges: ClassVar[dict[str, tuple[float, float | None, bool]]] = {
+        "lr": (0.0, None, False),
+        "beta1": (0.0, 1.0, True),
+        "beta2": (0.0, 1.0, True),
+        "eps": (0.0, None, False),
+        "weight_decay": (0.0, None, False),
+        "max_grad_norm": (0.0, None, False),
+    }
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -52,7 +61,13 @@ class Hyperparams:
         self.validate()
 
     def validate(self) -> None:
-        """Range checks; raise ValueError naming the field and the fix."""
+        """Range checks (:attr:`ranges`, and a subclass's own); a ValueError names the field."""
+        for name in self.names():
+            if name in self.ranges:
+                low, high, open_high = self.ranges[name]
+                check_range(
+                    self.family, self.labels.get(name, name), getattr(self, name), low, high, open_high=open_high
+                )
 
     # -- torch.optim param groups -------------------------------------------------------
     @classmethod

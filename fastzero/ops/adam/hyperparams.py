@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastzero.ops.hyperparams import Hyperparams, check_range
+from fastzero.ops.hyperparams import Hyperparams
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,3 @@ class AdamHyperparams(Hyperparams):
     weight_decay: float = 0.0
     bias_correction: bool = True
     adamw_mode: bool = True
-
-    def validate(self) -> None:
-        check_range(self.family, self.labels["lr"], self.lr, 0.0)
-        check_range(self.family, "beta1", self.beta1, 0.0, 1.0, open_high=True)
-        check_range(self.family, "beta2", self.beta2, 0.0, 1.0, open_high=True)
-        check_range(self.family, "eps", self.eps, 0.0)
-        check_range(self.family, "weight_decay", self.weight_decay, 0.0)

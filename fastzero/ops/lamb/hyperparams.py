@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastzero.ops.hyperparams import Hyperparams, check_range
+from fastzero.ops.hyperparams import Hyperparams
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,7 @@ class LambHyperparams(Hyperparams):
     ``fz_lamb_hyper``."""
 
     family = "LAMB"
+    labels = {**Hyperparams.labels, "max_grad_norm": "max_grad_norm (0 disables clipping)"}
 
     lr: float = 1e-3
     beta1: float = 0.9
@@ -28,12 +29,7 @@ class LambHyperparams(Hyperparams):
     min_coeff: float = 0.01
 
     def validate(self) -> None:
-        check_range(self.family, self.labels["lr"], self.lr, 0.0)
-        check_range(self.family, "beta1", self.beta1, 0.0, 1.0, open_high=True)
-        check_range(self.family, "beta2", self.beta2, 0.0, 1.0, open_high=True)
-        check_range(self.family, "eps", self.eps, 0.0)
-        check_range(self.family, "weight_decay", self.weight_decay, 0.0)
-        check_range(self.family, "max_grad_norm (0 disables clipping)", self.max_grad_norm, 0.0)
+        super().validate()
         if not 0.0 <= self.min_coeff <= self.max_coeff:
             raise ValueError(
                 f"LAMB: invalid trust ratio bounds: need 0 <= min_coeff ({self.min_coeff}) <= "
