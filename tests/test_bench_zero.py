@@ -121,27 +121,11 @@ def test_offload_tiny_run(tmp_path, no_deepspeed):
 
 def _family_rows(jobs, ms: dict[str, float]) -> dict:
     case = jobs.cases(sizes=[32])[0]
-    extra = dict(
-        hidden_frac=0.5,
-        step_ms=1.0,
-        kernel_ms=0.5,
-        allgather_ms=0.0,
-        adam_in_step_ms=0.4,
-        roofline_ms=0.5,
-        kernel_gbps=1.0,
-        roofline_gbps=1.0,
-        kernel_of_roofline=1.0,
-    )
+    extra = dict(hidden_frac=0.5, step_ms=1.0, kernel_ms=0.5, allgather_ms=0.0, adam_in_step_ms=0.4)
+    extra.update(roofline_ms=0.5, kernel_gbps=1.0, roofline_gbps=1.0, kernel_of_roofline=1.0)
     res = lambda t: {"times": [t / 1e3] * 3, "model_state_bytes": 2, "peak_rss_growth_bytes": 1}
-    fz = lambda t: dict(
-        res(t),
-        grad_bucket_bytes=0,
-        persistent_bytes=0,
-        peak_gathered_bytes=1,
-        offloaded_bytes=1,
-        staging_bytes=0,
-        extra=extra,
-    )
+    fz_bytes = dict(grad_bucket_bytes=0, persistent_bytes=0, peak_gathered_bytes=1, offloaded_bytes=1)
+    fz = lambda t: dict(res(t), **fz_bytes, staging_bytes=0, extra=extra)
     return {"rows": jobs.rows(case, {n: (fz if n.startswith("fastzero") else res)(t) for n, t in ms.items()})}
 
 
