@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import compare, kernels
-from .harness import run_case
+from .family import Settings
 from .machine import machine_info
 from .run import SCHEMA
 
@@ -27,22 +27,25 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--json", type=Path, help="write every run's gated figures here")
-    ap.add_argument("--write-baseline", type=Path, metavar="PATH",
-                    help="write a baseline whose gated figures are the medians over the runs")  # fmt: skip
+    ap.add_argument(
+        "--write-baseline",
+        type=Path,
+        metavar="PATH",
+        help="write a baseline whose gated figures are the medians over the runs",
+    )
     args = ap.parse_args(argv)
+    settings = Settings(warmup=3, repeats=args.repeats, quick=True)
     values: dict[tuple, list[float]] = defaultdict(list)
     last_rows, last_cases = [], []
     for run in range(args.runs):
         last_rows, last_cases = [], []
-        for name in sorted(kernels.KERNELS):
-            module = kernels.load(name)
-            if not getattr(module, "IN_ALL", True):  # what CI's `--all --quick` runs, and only that, is calibrated
+        for family in kernels.families():
+            if not family.in_all:  # what CI's `--all --quick` runs, and only that, is calibrated
                 continue
-            for case in module.cases(quick=True):
-                result = run_case(case, warmup=3, repeats=args.repeats)
-                last_cases.append({"kernel": case.kernel, "name": case.name, "numel": case.numel, "bytes": case.bytes,
-                                   "description": case.description, "skipped": result.skipped})  # fmt: skip
-                for row in result.rows():
+            for case in family.cases(quick=True):
+                rows, skipped = kernels.load(case.kernel).measure(case, settings, lambda _: None)
+                last_cases.append(case.info(skipped))
+                for row in rows:
                     last_rows.append(row)
                     if compare.gated(row):
                         values[(row["kernel"], row["case"], row["metric"])].append(row["value"])
@@ -63,9 +66,15 @@ def main(argv=None) -> int:
             if compare.gated(row):
                 row["value"] = statistics.median(values[key])
         created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        settings = {"quick": True, "repeats": args.repeats, "runs": args.runs, "gated": "medians over the runs"}
-        baseline = {"schema": SCHEMA, "created": created, "machine": machine_info(), "settings": settings,
-                    "cases": last_cases, "rows": last_rows}  # fmt: skip
+        stored = {"quick": True, "repeats": args.repeats, "runs": args.runs, "gated": "medians over the runs"}
+        baseline = {
+            "schema": SCHEMA,
+            "created": created,
+            "machine": machine_info(),
+            "settings": stored,
+            "cases": last_cases,
+            "rows": last_rows,
+        }
         args.write_baseline.write_text(json.dumps(baseline, indent=1) + "\n")
     return 0
 

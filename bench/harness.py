@@ -48,6 +48,17 @@ class Case:
     providers: list[Provider]
     description: str = ""
 
+    def info(self, skipped: dict[str, str]) -> dict:
+        """The case's entry in the results (its providers skipped here, and why)."""
+        return dict(
+            kernel=self.kernel,
+            name=self.name,
+            numel=self.numel,
+            bytes=self.bytes,
+            description=self.description,
+            skipped=skipped,
+        )
+
 
 @dataclass
 class Timing:
@@ -80,33 +91,66 @@ class CaseResult:
         baseline comparison uses; times are for people. Each ratio is the
         median of per-round ratios: the two calls of a round ran back to
         back, so drifts of the machine's speed cancel."""
-        out = []
         case = self.case
+        out = Rows(case)
         roof = self.timings.get("roofline")
         roof_bytes = next((p.bytes for p in case.providers if p.name == "roofline"), None) or case.bytes
         peers = {n: t for n, t in self.timings.items() if t.kind == "peer"}
-
-        def row(provider, metric, value):
-            out.append(dict(kernel=case.kernel, case=case.name, provider=provider, metric=metric, value=value))
-
-        def paired(num: Timing, den: Timing) -> float:
-            return statistics.median(a / b for a, b in zip(num.times, den.times))
-
         for name, t in self.timings.items():
-            row(name, "median_ms", t.median * 1e3)
-            row(name, "spread", t.spread)
+            out.add(name, "median_ms", t.median * 1e3)
+            out.add(name, "spread", t.spread)
             if name == "roofline":
-                row(name, "gb_per_s", roof_bytes / t.median / 1e9)
+                out.add(name, "gb_per_s", roof_bytes / t.median / 1e9)
                 continue
-            row(name, "gparams_per_s", case.numel / t.median / 1e9)
-            row(name, "gb_per_s", case.bytes / t.median / 1e9)
+            out.add(name, "gparams_per_s", case.numel / t.median / 1e9)
+            out.add(name, "gb_per_s", case.bytes / t.median / 1e9)
             if roof is not None:
                 # (bytes/t) / (roof_bytes/t_roof), round by round
-                row(name, "frac_roofline", case.bytes / roof_bytes * paired(roof, t))
+                out.add(name, "frac_roofline", case.bytes / roof_bytes * paired(roof.times, t.times))
             if t.kind == "ours":
                 for peer, pt in peers.items():
-                    row(name, f"speedup_vs_{peer}", paired(pt, t))
+                    out.add(name, f"speedup_vs_{peer}", paired(pt.times, t.times))
         return out
+
+
+class Rows(list):
+    """A case's result rows: add() appends (kernel, case, provider, metric, value) and the `fixed` keys (a
+    family's ``gated``), and leaves out a figure whose value is None. It keeps the case's names, not the case
+    (whose providers hold its tensors)."""
+
+    def __init__(self, case: Case, **fixed) -> None:
+        super().__init__()
+        self.kernel, self.case_name, self.fixed = case.kernel, case.name, fixed
+
+    def add(self, provider: str, metric: str, value, **more) -> None:
+        if value is not None:
+            names = dict(kernel=self.kernel, case=self.case_name, provider=provider, metric=metric)
+            self.append(dict(names, value=value, **self.fixed) | more)
+
+
+def paired(num: list[float], den: list[float]) -> float:
+    """The median of per-round ratios num[i] / den[i] (of times taken in the same rounds)."""
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def self_timed(why: str) -> Callable[[], Runner]:
+    """A provider's ``make`` for a family that times the case itself (multi-process jobs, searches):
+    the harness's users (calibrate, pytest-benchmark) skip it, saying `why`."""
+
+    def make() -> Runner:
+        raise Unavailable(why)
+
+    return make
+
+
+def stretch(t0: float, factor: float) -> float:
+    """Busy-waits until (now - t0) * factor has passed since t0 (a call begun at t0 made `factor` times longer: the
+    regression gate's self-test); returns the seconds since t0."""
+    if factor != 1.0:
+        until = t0 + (time.perf_counter() - t0) * factor
+        while time.perf_counter() < until:
+            pass
+    return time.perf_counter() - t0
 
 
 def run_case(
@@ -185,9 +229,7 @@ def _slowed(step: Callable[[], None], factor: float) -> Callable[[], None]:
     def slowed():
         t0 = time.perf_counter()
         step()
-        until = t0 + (time.perf_counter() - t0) * factor
-        while time.perf_counter() < until:
-            pass
+        stretch(t0, factor)
 
     return slowed
 

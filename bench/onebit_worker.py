@@ -1,4 +1,4 @@
-"""One rank of the compressed all-reduce benchmark (bench/kernels/onebit.py
+"""One rank of the compressed all-reduce benchmark (bench/kernels/onebit_allreduce.py
 launches WORLD of these with torchrun's variables over Gloo; argv[1] is a
 JSON spec). Per size: the three providers are checked once against what
 they must give (rank 0 recomputes every rank's input), then timed in
@@ -23,13 +23,15 @@ bandwidth-optimal ring algorithm sends; Gloo's own algorithm may differ).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from .harness import stretch
+from .jobs import finish_rank
 
 PROVIDERS = ("compressed", "fp32", "fp16")
 SEED = 1000
@@ -42,9 +44,11 @@ def rank_input(numel: int, rank: int) -> torch.Tensor:
 
 def simulate_compressed(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The compressed all-reduce of `inputs` (one fp32 tensor per rank, a multiple of 8 * world elements, zero
-    error buffers) worked out in one process from the reference's math (with exact scales: exact_compress):
-    (result, worker errors, server errors per rank)."""
-    from fastzero.ops.reference import onebit as ref
+    error buffers) worked out in one process: fastzero.comm.compressed's two phases (each rank's chunks to their
+    servers, averaged, compressed again, gathered) over the reference's compression
+    (fastzero.ops.onebit.reference, its scales correctly rounded: exact_compress). Returns (result, worker errors,
+    server errors per rank)."""
+    from fastzero.ops.onebit import reference as ref
 
     from .kernels.onebit import exact_compress
 
@@ -68,7 +72,7 @@ def check(comm, numel: int) -> None:
     and values, and both error buffers, within that rounding; fp32 and fp16: the sums of every rank's input."""
     from fastzero.comm import compressed_allreduce, error_buffers, padded_numel
 
-    from .kernels.onebit import _close
+    from .kernels.onebit import FP32, close
 
     world, rank = comm.world_size, comm.rank
     if numel % (8 * world):
@@ -102,15 +106,15 @@ def check(comm, numel: int) -> None:
             assert torch.equal(got > 0, want > 0), (
                 f"compressed: {int(((got > 0) != (want > 0)).sum())} of {numel} signs differ from the reference's"
             )
-            _close(got, want, "compressed result", 1e-5, 1e-6)
+            close(got, want, "compressed result", **FP32)
             for r in range(world):
                 tol = 2e-5 * float(want.abs().max())
-                _close(gathered["we"][r], want_we[r], f"compressed worker error of rank {r}", 0, tol)
-                _close(gathered["se"][r], want_se[r], f"compressed server error of rank {r}", 0, tol)
+                close(gathered["we"][r], want_we[r], f"compressed worker error of rank {r}", 0, tol)
+                close(gathered["se"][r], want_se[r], f"compressed server error of rank {r}", 0, tol)
             total = torch.stack(inputs).sum(0)
-            _close(s32, total, "fp32 all_reduce", 1e-5, 1e-5)
+            close(s32, total, "fp32 all_reduce", 1e-5, 1e-5)
             total16 = torch.stack([t.half() for t in inputs]).float().sum(0)
-            _close(s16.float(), total16, "fp16 all_reduce", 1e-2, 1e-2)
+            close(s16.float(), total16, "fp16 all_reduce", 1e-2, 1e-2)
         except AssertionError as exc:
             message = str(exc)
     flag = torch.tensor([1 if message else 0])
@@ -194,12 +198,7 @@ def run_size(comm, numel: int, providers, warmup: int, calls: int, slowdown: flo
                 comm.barrier()
                 t0 = time.perf_counter()
                 call()
-                dt = time.perf_counter() - t0
-                if p == "compressed" and slowdown != 1.0:  # the gate's self-test: really slower calls
-                    until = t0 + dt * slowdown
-                    while time.perf_counter() < until:
-                        pass
-                    dt = time.perf_counter() - t0
+                dt = stretch(t0, slowdown if p == "compressed" else 1.0)  # the gate's self-test: really slower calls
                 if r == 0:
                     sent[p] = wire_bytes(comm, p)
                 if r >= warmup:
@@ -231,21 +230,15 @@ def main() -> None:
         if spec.get("check", True):
             check(comm, spec.get("check_numel") or min(spec["sizes"]))
         for numel in spec["sizes"]:
-            res = run_size(comm, numel, spec["providers"], spec["warmup"], spec["calls"][str(numel)],
-                           spec.get("slowdown", 1.0))  # fmt: skip
+            calls = spec["calls"][str(numel)]
+            res = run_size(comm, numel, spec["providers"], spec["warmup"], calls, spec.get("slowdown", 1.0))
             result["sizes"][str(numel)] = res
             if comm.rank == 0:
-                print(f"{numel}: " + ", ".join(f"{p} {statistics.median(r['times']) * 1e3:.2f} ms"
-                                               for p, r in res.items()), flush=True)  # fmt: skip
+                times = ", ".join(f"{p} {statistics.median(r['times']) * 1e3:.2f} ms" for p, r in res.items())
+                print(f"{numel}: {times}", flush=True)
     except AssertionError as exc:
         result = {"error": str(exc)}
-    if comm.rank == 0:
-        with open(spec["out"], "w") as f:
-            json.dump(result, f)
-    comm.barrier()  # rank 0's result is written
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_rank(result, spec["out"], comm.rank, comm.barrier)
 
 
 if __name__ == "__main__":

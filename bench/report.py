@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import kernels
 from .compare import Check
+from .tables import bandwidth_table, fmt
 
 
 def _table(rows: list[dict]) -> dict:
@@ -16,10 +17,6 @@ def _table(rows: list[dict]) -> dict:
     for r in rows:
         out[(r["kernel"], r["case"])][r["provider"]][r["metric"]] = r["value"]
     return out
-
-
-def _fmt(v, spec):
-    return "" if v is None else format(v, spec)
 
 
 def chart(results: dict, path: Path) -> list[Path]:
@@ -55,8 +52,8 @@ def chart(results: dict, path: Path) -> list[Path]:
                 )
             roof = table[(kernel, c)].get("roofline", {}).get("gb_per_s")
             if roof:
-                ax.hlines(roof, x - 0.45, x + 0.45, colors="black", linestyles="dashed",
-                          label="roofline (measured)" if x == 0 else None)  # fmt: skip
+                label = "roofline (measured)" if x == 0 else None
+                ax.hlines(roof, x - 0.45, x + 0.45, colors="black", linestyles="dashed", label=label)
         ax.set_xticks(range(len(cases)), cases)
         ax.set_ylabel("GB/s (bytes the job must move / time)")
         ax.set_title(f"{kernel} on {results['machine']['cpu']} ({results['machine']['torch_threads']} threads)")
@@ -86,26 +83,9 @@ def markdown(results: dict, checks: list[Check] | None, tolerance: float, path: 
         key = (case_info["kernel"], case_info["name"])
         provs = table[key]
         lines += [f"## {key[0]} / {key[1]}", "", case_info["description"], ""]
-        own = getattr(kernels.load(key[0]), "table", None) if key[0] in kernels.KERNELS else None
-        if own is not None:
-            lines += [*own(case_info, provs), ""]
-            continue
-        lines += [
-            "| provider | median ms | spread | Gparam/s | GB/s | of roofline | speedups |",
-            "|---|---:|---:|---:|---:|---:|---|",
-        ]
-        for prov, mt in provs.items():
-            speedups = ", ".join(
-                f"{k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in mt.items() if k.startswith("speedup_vs_")
-            )
-            lines.append(
-                f"| {prov} | {_fmt(mt.get('median_ms'), '.2f')} | {_fmt(mt.get('spread'), '.1%')} | "
-                f"{_fmt(mt.get('gparams_per_s'), '.3f')} | {_fmt(mt.get('gb_per_s'), '.1f')} | "
-                f"{_fmt(mt.get('frac_roofline'), '.2f')} | {speedups} |"
-            )
-        for prov, why in case_info.get("skipped", {}).items():
-            lines.append(f"| {prov} | skipped: {why} | | | | | |")
-        lines.append("")
+        # a family's own table; results of a family this checkout does not know get the bandwidth table
+        render = kernels.load(key[0]).table if key[0] in kernels.KERNELS else bandwidth_table
+        lines += [*render(case_info, provs), ""]
     if checks is not None:
         bad = [c for c in checks if c.status(tolerance) == "REGRESSION"]
         verdict = f"**REGRESSION** ({len(bad)} of {len(checks)} figures)" if bad else f"**ok** ({len(checks)} figures)"
@@ -119,8 +99,8 @@ def markdown(results: dict, checks: list[Check] | None, tolerance: float, path: 
         ]
         for c in checks:
             lines.append(
-                f"| {c.kernel} | {c.case} | {c.metric} | {c.baseline:.3f} | {_fmt(c.current, '.3f')} | "
-                f"{_fmt(c.change, '+.1%')} | {c.status(tolerance)} |"
+                f"| {c.kernel} | {c.case} | {c.metric} | {c.baseline:.3f} | {fmt(c.current, '.3f')} | "
+                f"{fmt(c.change, '+.1%')} | {c.status(tolerance)} |"
             )
         lines.append("")
     for png in chart(results, path):

@@ -16,10 +16,10 @@ from .harness import Unavailable
 
 
 def _cases():
-    for name in sorted(kernels.KERNELS):
-        for case in kernels.load(name).cases(quick=True):
+    for family in kernels.families():
+        for case in family.cases(quick=True):
             for provider in case.providers:
-                yield pytest.param(case, provider, id=f"{name}/{case.name}/{provider.name}")
+                yield pytest.param(case, provider, id=f"{family.name}/{case.name}/{provider.name}")
 
 
 @pytest.mark.parametrize("case, provider", list(_cases()))

@@ -24,29 +24,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .harness import paired, stretch
+from .jobs import finish_rank, reset_peak_rss, rss_bytes
+
 HYPER = dict(lr=1e-3, weight_decay=0.01)
 ADAM_BYTES = 28  # per param, fp32 Adam: read p, g, m, v; write p, m, v
 
 
 class Skip(Exception):
     """This provider cannot run here (a peer not installed, say)."""
-
-
-def rss_bytes(field: str = "VmRSS") -> int:
-    """This process's resident set (or its peak since the last reset: VmHWM), from /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-    except (OSError, StopIteration):
-        return 0
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
-    except OSError:
-        pass
 
 
 def prime() -> None:
@@ -126,8 +112,12 @@ class Fastzero(Job):
             zero.update(stage3_prefetch_bucket_size=v["prefetch"], stage3_param_persistence_threshold=spec["persist"])
         if v.get("offload"):
             zero["offload_optimizer"] = {"device": "cpu"}
-        cfg = {"train_micro_batch_size_per_gpu": spec["micro"], "steps_per_print": 10**9, "zero_optimization": zero,
-               "optimizer": {"type": "AdamW", "params": HYPER}}  # fmt: skip
+        cfg = {
+            "train_micro_batch_size_per_gpu": spec["micro"],
+            "steps_per_print": 10**9,
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": HYPER},
+        }
         self.engine, *_ = fastzero.initialize(model=make_model(spec["width"], spec["layers"]), config=cfg)
         self.x, self.y = x, y
         self.extra = {"hidden_frac": [], "step_ms": [], "allgather_ms": [], "adam_in_step_ms": []}
@@ -174,9 +164,12 @@ class Fastzero(Job):
     def memory(self):
         e = self.engine
         br = e.memory_breakdown()
-        out = {"model_state_bytes": sum(br.values()), "grad_bucket_bytes": br["grad_buckets"],
-               "offloaded_bytes": sum(v for k, v in br.items() if k.startswith("offload_")),
-               "staging_bytes": br.get("offload_staging", 0)}  # fmt: skip
+        out = {
+            "model_state_bytes": sum(br.values()),
+            "grad_bucket_bytes": br["grad_buckets"],
+            "offloaded_bytes": sum(v for k, v in br.items() if k.startswith("offload_")),
+            "staging_bytes": br.get("offload_staging", 0),
+        }
         if e.fetcher is not None:
             size = e.dtype.itemsize
             units = [u for g in e.groups for u in g.units]
@@ -200,15 +193,15 @@ def kernel_vs_roofline(n: int, rounds: int, roofline: bool) -> dict:
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     state = {"step": 0}
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_scale=2.0)
 
     def adam():
         state["step"] += 1
-        cpu_adam_step([p], [g], [m], [v], step=state["step"], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                      weight_decay=0.01, grad_scale=2.0)  # fmt: skip
+        cpu_adam_step([p], [g], [m], [v], step=state["step"], **hyper)
 
     calls = {"kernel": adam}
     if roofline:
-        from .kernels.optim_common import stream_roofline
+        from .kernels.common import stream_roofline
 
         probe = stream_roofline([n])  # kept: its step writes through raw pointers into arrays the runner holds
         calls["roofline"] = probe.step
@@ -223,7 +216,7 @@ def kernel_vs_roofline(n: int, rounds: int, roofline: bool) -> dict:
     if roofline:
         out["roofline_ms"] = statistics.median(times["roofline"]) * 1e3
         # the same bytes: the fraction is the time ratio, round by round (drifts of the machine cancel)
-        out["kernel_of_roofline"] = statistics.median(r / k for r, k in zip(times["roofline"], times["kernel"]))
+        out["kernel_of_roofline"] = paired(times["roofline"], times["kernel"])
         out["kernel_gbps"] = ADAM_BYTES * n / (out["kernel_ms"] / 1e3) / 1e9
         out["roofline_gbps"] = ADAM_BYTES * n / (out["roofline_ms"] / 1e3) / 1e9
     return out
@@ -275,8 +268,13 @@ class DeepSpeedJob(Job):
         deepspeed.init_distributed(dist_backend="gloo")
         model = make_model(spec["width"], spec["layers"])
         v = spec["variant"]
-        zero = {"stage": v["stage"], "overlap_comm": True, "reduce_bucket_size": spec["bucket"],
-                "allgather_bucket_size": spec["bucket"], "contiguous_gradients": True}  # fmt: skip
+        zero = {
+            "stage": v["stage"],
+            "overlap_comm": True,
+            "reduce_bucket_size": spec["bucket"],
+            "allgather_bucket_size": spec["bucket"],
+            "contiguous_gradients": True,
+        }
         if v["stage"] == 3:
             zero.update(stage3_prefetch_bucket_size=v["prefetch"], stage3_param_persistence_threshold=spec["persist"])
         cfg = {"train_micro_batch_size_per_gpu": spec["micro"], "steps_per_print": 10**9, "zero_optimization": zero}
@@ -346,12 +344,7 @@ def main() -> None:
         job.before()
         t0 = time.perf_counter()
         job.step()
-        dt = time.perf_counter() - t0
-        if spec["provider"] == "fastzero" and spec.get("slowdown", 1.0) != 1.0:
-            until = t0 + dt * spec["slowdown"]  # the gate's self-test: really slower steps
-            while time.perf_counter() < until:
-                pass
-            dt = time.perf_counter() - t0
+        dt = stretch(t0, spec.get("slowdown", 1.0) if spec["provider"] == "fastzero" else 1.0)  # the gate's self-test
         if i >= spec["warmup"]:
             times.append(dt)
             job.after()
@@ -368,15 +361,7 @@ def main() -> None:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, result["model_state_bytes"])  # after the timing: no barrier inside it
     result["model_state_bytes_per_rank"] = every
-    if dist.get_rank() == 0:
-        with open(spec["out"], "w") as f:
-            json.dump(result, f)
-    dist.barrier()  # rank 0's result is written
-    # torch's teardown of Gloo now and then aborts ("terminate called without an active exception", seen with
-    # FSDP2): the job is done, so leave without it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_rank(result, spec["out"], dist.get_rank(), dist.barrier)
 
 
 if __name__ == "__main__":

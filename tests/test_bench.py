@@ -70,8 +70,27 @@ def test_gate_skips_a_peer_that_is_not_installed_here():
 def test_end_to_end_gate_catches_an_injected_slowdown(tmp_path):
     """A real slowdown (a busy wait that makes fastzero's calls 1.25x longer)
     against a baseline measured moments before fails the run."""
-    args = ["--kernel", "cpu_adam", "--sizes", "4M", "--dtype", "fp32", "--repeats", "9", "--skip", "deepspeed",
-            "--skip", "torch_foreach"]  # fmt: skip
+    args = "--kernel cpu_adam --sizes 4M --dtype fp32 --repeats 9 --skip deepspeed --skip torch_foreach".split()
     base = tmp_path / "base.json"
     assert run.main([*args, "--json", str(base)]) == 0
     assert run.main([*args, "--baseline", str(base), "--inject-slowdown", "1.25"]) == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_family_is_its_declared_interface(device):
+    """Each registry entry is a Family of that name; its cases (made, not run: no GPU needed) carry fastzero's
+    providers, only the peers it declares, and the roofline exactly where it declares one; a case belongs to a
+    known family."""
+    from bench import kernels
+    from bench.family import Family
+
+    for family in kernels.families():
+        assert isinstance(family, Family) and family.description
+        if device not in family.devices:
+            continue
+        for case in family.cases(quick=True, device=device):
+            owner = kernels.load(case.kernel)
+            kinds = {p.name: p.kind for p in case.providers}
+            assert "ours" in kinds.values(), (family.name, case.name)
+            assert {n for n, k in kinds.items() if k == "peer"} <= set(owner.peers), (owner.name, case.name)
+            assert (kinds.get("roofline") == "roofline") == (owner.roofline is not None), (owner.name, case.name)

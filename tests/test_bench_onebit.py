@@ -12,6 +12,7 @@ import torch
 from bench import compare, kernels, onebit_worker, run
 from bench.harness import Unavailable, run_case
 from bench.kernels import onebit as ob
+from bench.kernels import onebit_allreduce as oa
 from fastzero.comm import Comm
 from fastzero.comm import compressed as compressed_module
 from fastzero.ops import onebit as onebit_ops
@@ -35,10 +36,17 @@ def test_listed_but_not_in_all(capsys):
     assert "providers: fastzero, reference, roofline" in out and "providers: compressed, fp32, fp16" in out
     assert "providers: fastzero, reference, torch_fill, roofline" in out
     for name in ("onebit", "onebit_allreduce"):
-        assert kernels.load(name).IN_ALL is False  # minutes of multi-process jobs: --all (CI's quick gate) skips it
+        assert kernels.load(name).in_all is False  # minutes of multi-process jobs: --all (CI's quick gate) skips it
     quick = ob.cases(quick=True)
-    assert [c.name for c in quick] == ["pack-fp32-1M", "pack-fp32-4M", "unpack-avg4-1M", "unpack-avg4-4M",
-                                       "unpack-rows4-1M", "unpack-rows4-4M", "w2-1M"]  # fmt: skip
+    assert [c.name for c in quick] == [
+        "pack-fp32-1M",
+        "pack-fp32-4M",
+        "unpack-avg4-1M",
+        "unpack-avg4-4M",
+        "unpack-rows4-1M",
+        "unpack-rows4-4M",
+        "w2-1M",
+    ]
     assert quick[-1].kernel == "onebit_allreduce"
     # pack against the in-place stream (28 B per element), unpack, which mostly writes, against the write probe
     roofs = {c.name: c.providers[-1] for c in quick[:-1]}
@@ -47,7 +55,7 @@ def test_listed_but_not_in_all(capsys):
 
 
 def test_write_probe_writes_every_element():
-    from bench.kernels.optim_common import write_roofline
+    from bench.kernels.common import write_roofline
 
     runner = write_roofline([1000, 17, 2**16 + 3])  # tails and sizes that are not whole vectors
     runner.check()
@@ -76,8 +84,7 @@ def test_byte_models():
 
 def test_tiny_run_rows_bytes_and_report(tmp_path):
     js, md = tmp_path / "r.json", tmp_path / "r.md"
-    args = ["--kernel", "onebit", "--sizes", "64K", "--repeats", "2", "--warmup", "1", "--json", str(js),
-            "--report", str(md)]  # fmt: skip
+    args = ["--kernel", "onebit", *"--sizes 64K --repeats 2 --warmup 1".split(), "--json", str(js), "--report", str(md)]
     assert run.main(args) == 0
     res = json.loads(js.read_text())
     names = [c["name"] for c in res["cases"]]
@@ -211,15 +218,20 @@ def test_simulation_is_the_compressed_allreduce_at_world_1():
 
 
 def test_allreduce_rows_and_table_from_times():
-    (case,) = ob.ALLREDUCE.cases(sizes=[1 << 20], quick=True)
+    (case,) = oa.cases(sizes=[1 << 20], quick=True)
     n = 1 << 20
     res = {
-        "compressed": dict(times=[0.010, 0.012, 0.011], compute_times=[0.004, 0.004, 0.005], wire_bytes=n / 8 + 12,
-                           scale_bytes=12, collectives=4),
+        "compressed": dict(
+            times=[0.010, 0.012, 0.011],
+            compute_times=[0.004, 0.004, 0.005],
+            wire_bytes=n / 8 + 12,
+            scale_bytes=12,
+            collectives=4,
+        ),
         "fp32": dict(times=[0.030, 0.036, 0.033], wire_bytes=4 * n, collectives=1),
         "fp16": dict(times=[0.020, 0.024, 0.022], wire_bytes=2 * n, collectives=1),
-    }  # fmt: skip
-    rows = ob.allreduce_rows(case, res)
+    }
+    rows = oa.rows(case, res)
     assert all(r["gated"] is False for r in rows) and not [r for r in rows if compare.gated(r)]
     got = _by(rows)
     c = got["compressed"]
@@ -229,5 +241,5 @@ def test_allreduce_rows_and_table_from_times():
     want = (4 * n / link) / ((n / 8 + 12) / link + 0.004)
     assert c["model_speedup_vs_fp32_10gbps_with_compute"] == pytest.approx(want)
     assert got["fp16"]["model_ms_100gbps"] == pytest.approx(2 * n / 12.5e9 * 1e3)
-    text = "\n".join(ob.allreduce_table({}, got))
+    text = "\n".join(oa.table({}, got))
     assert "| fp32 | 4.000 MiB | 33.00 |" in text and "| fp32 | 32.0x | 3.00x |" in text

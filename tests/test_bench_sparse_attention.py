@@ -6,7 +6,6 @@ tensors (Triton's interpreter, SDPA, FlexAttention eager), and the GPU case
 list made without a GPU."""
 
 import json
-import types
 import warnings
 
 import pytest
@@ -14,8 +13,10 @@ import torch
 
 import fastzero.ops.sparse_attention.attention as sa
 from bench import compare, run
+from bench.family import Settings
 from bench.harness import Unavailable
 from bench.kernels import sparse_attention as bsa
+from bench.kernels.sparse_attention import layouts, memory, providers
 
 
 def _by(rows):
@@ -29,24 +30,25 @@ def _by(rows):
 def test_layouts_hit_the_density_and_keep_window_and_global_column(causal):
     for nb in (8, 32, 64):
         for density in (0.05, 0.1, 0.2, 0.5, 1.0):
-            lay = bsa.density_layout(3, nb, density, causal)
+            lay = layouts.density_layout(3, nb, density, causal)
             assert lay.shape == (3, nb, nb) and lay.dtype == torch.bool
             total = nb * (nb + 1) // 2 if causal else nb * nb
             least = (2 * nb - 1) / total  # the diagonal and the first column
-            assert abs(bsa.kept_fraction(lay, causal) - max(density, least)) <= 2 / nb  # a stripe: ~1/nb, causal 2/nb
+            # off by a stripe at most: ~1/nb, causal 2/nb
+            assert abs(layouts.kept_fraction(lay, causal) - max(density, least)) <= 2 / nb
             assert lay[:, torch.arange(nb), torch.arange(nb)].all() and lay[:, :, 0].all()
             if causal:
                 assert not lay.triu(1).any()
-        assert bsa.density_layout(1, nb, 1.0, causal).sum() == (nb * (nb + 1) // 2 if causal else nb * nb)
-    win = bsa.window_layout(1, 64, 1, 1)
+        assert layouts.density_layout(1, nb, 1.0, causal).sum() == (nb * (nb + 1) // 2 if causal else nb * nb)
+    win = layouts.window_layout(1, 64, 1, 1)
     assert win[0].sum(-1).max() == 4  # a fixed window: kept blocks per row do not grow with seq
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_flex_block_mask_is_the_layout(causal, compiled):
-    lay = bsa.density_layout(2, 8, 0.3, causal)
-    mask = bsa.flex_block_mask(lay, 128, 8 * 128, causal, compiled=compiled)
+    lay = layouts.density_layout(2, 8, 0.3, causal)
+    mask = layouts.flex_block_mask(lay, 128, 8 * 128, causal, compiled=compiled)
     assert torch.equal(mask.to_dense()[0].bool(), lay)
     partial = mask.kv_num_blocks[0]  # kept diagonal blocks of a causal layout; none otherwise
     assert torch.equal(partial, lay.diagonal(dim1=1, dim2=2).int() if causal else torch.zeros_like(partial))
@@ -54,18 +56,18 @@ def test_flex_block_mask_is_the_layout(causal, compiled):
 
 def test_check_catches_a_wrong_mask():
     spec = bsa.cpu_cases([512], fit=False)[0].spec
-    inp = bsa.make_inputs(spec)
-    bsa.check_slice(spec, "fastzero_cpu", bsa.attention_fn(spec, "fastzero_cpu"), inp, grads=True)
-    dense = bsa.attention_fn(spec, "dense")  # attends to the blocks the layout drops
+    inp = providers.make_inputs(spec)
+    providers.check_slice(spec, "fastzero_cpu", providers.attention_fn(spec, "fastzero_cpu"), inp, grads=True)
+    dense = providers.attention_fn(spec, "dense")  # attends to the blocks the layout drops
     with pytest.raises(AssertionError, match="normwise relative error"):
-        bsa.check_slice(spec, "fastzero_cpu", dense, inp, grads=True)
+        providers.check_slice(spec, "fastzero_cpu", dense, inp, grads=True)
 
 
 def test_cpu_tiny_run_rows_memory_and_report(tmp_path, monkeypatch):
     monkeypatch.setattr(sa, "DENSE_CPU_MAX_SEQ", 128)  # seq 256 takes the blocked path (the worker is told too)
     js, md = tmp_path / "r.json", tmp_path / "r.md"
-    args = ["--kernel", "sparse_attention", "--quick", "--sizes", "256", "--repeats", "2", "--warmup", "1",
-            "--json", str(js), "--report", str(md)]  # fmt: skip
+    args = [*"--kernel sparse_attention --quick --sizes 256 --repeats 2 --warmup 1".split(), "--json", str(js)]
+    args += ["--report", str(md)]
     assert run.main(args) == 0
     res = json.loads(js.read_text())
     (case,) = res["cases"]
@@ -98,12 +100,12 @@ def test_fit_search_stops_at_the_budget(monkeypatch):
     with pytest.raises(Unavailable):  # harness users (calibrate, pytest-benchmark) skip it
         case.providers[0].make()
     case.providers = [p for p in case.providers if p.name in ("fastzero_cpu_window", "dense")]
-    found = bsa.fit_search(case, lambda _: None, budget=48 * bsa.MiB, max_seq=1024, time_cap=60)
+    found = memory.fit_search(case, lambda _: None, budget=48 * memory.MiB, max_seq=1024, time_cap=60)
     # dense fwd+bwd holds ~28 B per score: 512 -> ~30 MiB fits, 1024 -> ~115 MiB does not
     assert [p["seq"] for p in found["dense"]["points"]] == [256, 512, 1024]
     assert found["dense"]["limited_by"] == "memory" and not found["dense"]["points"][-1]["fits"]
     assert found["fastzero_cpu_window"]["limited_by"] == "max_seq"
-    got = _by(bsa.fit_rows(case, found))
+    got = _by(memory.fit_rows(case, found))
     assert got["dense"]["max_seq_fit"] == 512 and got["fastzero_cpu_window"]["max_seq_fit"] == 1024
     assert got["fastzero_cpu_window"]["fit_vs_dense"] == 2.0
     text = "\n".join(bsa.table({}, got))
@@ -128,10 +130,10 @@ def test_gpu_jobs_on_cpu_tensors():
     compiled FlexAttention, CUDA memory stats)."""
     pytest.importorskip("triton")
     (case,) = bsa.gpu_cases([256], [32], [0.5], dtype="fp32", device="cpu", heads=2)
-    args = types.SimpleNamespace(warmup=1, repeats=2, inject_slowdown=1.0)
+    settings = Settings(warmup=1, repeats=2)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without")
-        rows, skipped = bsa.measure(case, args, lambda _: None)
+        rows, skipped = bsa.measure(case, settings, lambda _: None)
     assert skipped == {"flex": "fwdbwd: FlexAttention has no backward on the CPU"}
     got = _by(rows)
     for mode in ("fwd", "fwdbwd"):
@@ -142,4 +144,4 @@ def test_gpu_jobs_on_cpu_tensors():
     text = "\n".join(bsa.table({"skipped": skipped}, got))
     assert "fwd+bwd TFLOP/s" in text and "vs flex fwd" in text
     (causal,) = bsa.gpu_cases([256], [32], [0.5], dtype="fp32", device="cpu", heads=2, causal=True)
-    bsa.make_runner(causal.spec, "fastzero", causal.data, "fwdbwd").check()
+    providers.make_runner(causal.spec, "fastzero", causal.data, "fwdbwd").check()

@@ -16,8 +16,8 @@ def test_listed_but_not_in_all(capsys):
     out = capsys.readouterr().out
     assert "mlp4x1024" in out and "\nzero3: " in out and "\noffload: " in out
     for name in ("zero", "zero3", "offload"):
-        assert kernels.load(name).IN_ALL is False  # --all (CI's quick gate) leaves them out; DESCRIPTION says why
-    assert kernels.load("zero3").NAME == "zero3" and kernels.load("offload").cases(quick=True)[0].kernel == "offload"
+        assert kernels.load(name).in_all is False  # --all (CI's quick gate) leaves them out; the description says why
+    assert kernels.load("zero3").name == "zero3" and kernels.load("offload").cases(quick=True)[0].kernel == "offload"
 
 
 @pytest.fixture
@@ -30,8 +30,8 @@ def no_deepspeed(tmp_path, monkeypatch):
 
 def _run(tmp_path, kernel: str, *more: str) -> tuple[dict, dict, str]:
     js, md = tmp_path / "r.json", tmp_path / "r.md"
-    args = ["--kernel", kernel, "--sizes", "32", "--repeats", "2", "--warmup", "1", *more, "--json", str(js),
-            "--report", str(md)]  # fmt: skip
+    args = ["--kernel", kernel, *"--sizes 32 --repeats 2 --warmup 1".split(), *more, "--json", str(js)]
+    args += ["--report", str(md)]
     assert run.main(args) == 0
     res = json.loads(js.read_text())
     (case,) = res["cases"]
@@ -63,10 +63,10 @@ def test_tiny_run_rows_report_and_a_missing_peer(tmp_path, no_deepspeed):
 
 
 def _rows(s2_ms: float, ddp_ms: float = 10.0) -> dict:
-    case = zero.cases(sizes=[32])[0]
+    case = zero.ZERO.cases(sizes=[32])[0]
     res = lambda ms, **more: {"times": [ms / 1e3] * 3, "model_state_bytes": 1, **more}
     fz = res(s2_ms, grad_bucket_bytes=0, extra=dict(hidden_frac=0.5, step_ms=1.0, kernel_ms=0.5, allgather_ms=0.4))
-    return {"rows": zero.rows(case, {"fastzero-s2": fz, "ddp": res(ddp_ms)})}
+    return {"rows": zero.ZERO_JOBS.rows(case, {"fastzero-s2": fz, "ddp": res(ddp_ms)})}
 
 
 def test_gate_on_the_same_run_ratio():
@@ -119,26 +119,35 @@ def test_offload_tiny_run(tmp_path, no_deepspeed):
     assert "| deepspeed-s2-offload | skipped: deepspeed not importable" in text
 
 
-def _family_rows(family, ms: dict[str, float]) -> dict:
-    case = family.cases(sizes=[32])[0]
-    extra = dict(hidden_frac=0.5, step_ms=1.0, kernel_ms=0.5, allgather_ms=0.0, adam_in_step_ms=0.4,
-                 roofline_ms=0.5, kernel_gbps=1.0, roofline_gbps=1.0, kernel_of_roofline=1.0)  # fmt: skip
+def _family_rows(jobs, ms: dict[str, float]) -> dict:
+    case = jobs.cases(sizes=[32])[0]
+    extra = dict(hidden_frac=0.5, step_ms=1.0, kernel_ms=0.5, allgather_ms=0.0, adam_in_step_ms=0.4)
+    extra.update(roofline_ms=0.5, kernel_gbps=1.0, roofline_gbps=1.0, kernel_of_roofline=1.0)
     res = lambda t: {"times": [t / 1e3] * 3, "model_state_bytes": 2, "peak_rss_growth_bytes": 1}
-    fz = lambda t: dict(res(t), grad_bucket_bytes=0, persistent_bytes=0, peak_gathered_bytes=1, offloaded_bytes=1,
-                        staging_bytes=0, extra=extra)  # fmt: skip
-    return {"rows": family.rows(case, {n: (fz if n.startswith("fastzero") else res)(t) for n, t in ms.items()})}
+    fz_bytes = dict(grad_bucket_bytes=0, persistent_bytes=0, peak_gathered_bytes=1, offloaded_bytes=1)
+    fz = lambda t: dict(res(t), **fz_bytes, staging_bytes=0, extra=extra)
+    return {"rows": jobs.rows(case, {n: (fz if n.startswith("fastzero") else res)(t) for n, t in ms.items()})}
 
 
 def test_zero3_and_offload_compare_with_the_faster_peer_of_their_stage():
     got = lambda rows: {(r["provider"], r["metric"]): r["value"] for r in rows["rows"]}
-    z3 = got(_family_rows(zero.ZERO3, {"fastzero-s3": 8.0, "fsdp2-reshard": 10.0, "deepspeed-s3": 6.0}))
+    z3 = got(_family_rows(zero.ZERO3_JOBS, {"fastzero-s3": 8.0, "fsdp2-reshard": 10.0, "deepspeed-s3": 6.0}))
     assert z3[("fastzero-s3", "speedup_vs_fastest_peer")] == pytest.approx(6.0 / 8.0)
-    off = got(_family_rows(zero.OFFLOAD, {"fastzero-s2-offload": 5.0, "fastzero-s3-offload": 8.0,
-                                          "fsdp2-offload": 10.0, "deepspeed-s2-offload": 4.0,
-                                          "deepspeed-s3-offload": 12.0}))  # fmt: skip
+    off = got(
+        _family_rows(
+            zero.OFFLOAD_JOBS,
+            {
+                "fastzero-s2-offload": 5.0,
+                "fastzero-s3-offload": 8.0,
+                "fsdp2-offload": 10.0,
+                "deepspeed-s2-offload": 4.0,
+                "deepspeed-s3-offload": 12.0,
+            },
+        )
+    )
     assert off[("fastzero-s2-offload", "speedup_vs_fastest_peer")] == pytest.approx(4.0 / 5.0)  # DeepSpeed s2
     assert off[("fastzero-s3-offload", "speedup_vs_fastest_peer")] == pytest.approx(10.0 / 8.0)  # FSDP2, not s2
-    base = _family_rows(zero.ZERO3, {"fastzero-s3": 8.0, "fsdp2-reshard": 10.0})
-    checks = compare.compare(_family_rows(zero.ZERO3, {"fastzero-s3": 10.0, "fsdp2-reshard": 10.0}), base)
+    base = _family_rows(zero.ZERO3_JOBS, {"fastzero-s3": 8.0, "fsdp2-reshard": 10.0})
+    checks = compare.compare(_family_rows(zero.ZERO3_JOBS, {"fastzero-s3": 10.0, "fsdp2-reshard": 10.0}), base)
     assert [(c.provider, c.metric) for c in checks] == [("fastzero-s3", "speedup_vs_fastest_peer")]
     assert compare.regressions(checks, compare.DEFAULT_TOLERANCE)

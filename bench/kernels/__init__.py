@@ -1,37 +1,37 @@
-"""Kernel families the suite knows: each module declares its cases (sizes,
-bytes, providers: fastzero's backends, the peers, the bandwidth probe).
-
-A family may also define ``measure(case, args, say) -> (rows, skipped)``
-when it times itself (multi-process jobs: ``zero``) instead of the harness's
-in-process rounds, ``table(case_info, provs)`` for its Markdown lines, and
-``IN_ALL = False`` to stay out of ``--all``. "module:ATTR" names an object
-in a module that has those attributes (several families in one module). A
-family's cases may belong to another family (``onebit`` runs
-``onebit_allreduce``'s too): each case is measured and shown by the family
-its ``kernel`` names."""
+"""The kernel families the suite knows, by name: each a :class:`bench.family.Family`
+(its cases, peers, roofline, measurement and tables), the object "module:ATTR"
+names. A module may hold several (``zero``: zero, zero3, offload); modules are
+imported when a family is first asked for."""
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+
+from ..family import Family
 
 KERNELS = {
-    "cpu_adam": ".cpu_adam",
-    "fused_adam": ".fused_adam",
-    "fused_lamb": ".fused_lamb",
-    "sparse_attention": ".sparse_attention",
-    "zero": ".zero",
+    "cpu_adam": ".cpu_adam:FAMILY",
+    "fused_adam": ".fused_adam:FAMILY",
+    "fused_lamb": ".fused_lamb:FAMILY",
+    "sparse_attention": ".sparse_attention:FAMILY",
+    "zero": ".zero:ZERO",
     "zero3": ".zero:ZERO3",
     "offload": ".zero:OFFLOAD",
-    "onebit": ".onebit",
-    "onebit_allreduce": ".onebit:ALLREDUCE",
+    "onebit": ".onebit:ONEBIT",
+    "onebit_allreduce": ".onebit_allreduce:FAMILY",
 }
 
 
-def load(name: str) -> ModuleType:
-    """The family's module (or the family object a "module:ATTR" entry names)."""
+def load(name: str) -> Family:
+    """The family called `name`."""
     if name not in KERNELS:
         raise SystemExit(f"unknown kernel {name!r}; known: {', '.join(KERNELS)} (see --list)")
     module, _, attr = KERNELS[name].partition(":")
-    found = importlib.import_module(module, __package__)
-    return getattr(found, attr) if attr else found
+    family = getattr(importlib.import_module(module, __package__), attr)
+    assert isinstance(family, Family) and family.name == name, f"{KERNELS[name]} is not the family {name!r}"
+    return family
+
+
+def families(names: list[str] | None = None) -> list[Family]:
+    """The families called `names` (None: every one, sorted by name)."""
+    return [load(n) for n in (sorted(KERNELS) if names is None else names)]

@@ -16,16 +16,15 @@ import os
 
 import torch
 
-from fastzero import native
 from fastzero.ops import CPUAdam, cpu_adam_step, reference
 
+from ..family import Family
 from ..harness import Case, Provider, Runner, Unavailable
 from ..harness import format_size as _fmt
-from .optim_common import OptimData, first_step_check, split_sizes, stream_roofline
+from ..tables import bandwidth_summary
+from .common import cpu_kernels, roofline
+from .optim_common import OptimData, first_step_check, split_sizes, step_args
 
-NAME = "cpu_adam"
-DESCRIPTION = "CPUAdam (SIMD C++) vs torch.optim.AdamW fused/foreach and DeepSpeedCPUAdam"
-DEVICES = ("cpu",)
 M = 1 << 20
 DEFAULT_SIZES = [16 * M, 64 * M]
 QUICK_SIZES = [16 * M]  # past the caches: smaller sizes would time L3, not memory
@@ -39,8 +38,7 @@ def adam_data(sizes, grad_dtype=torch.float32, copy_dtype=None) -> OptimData:
 
 
 def provide_fastzero(data: OptimData) -> Runner:
-    if native.cpu_ops() is None:
-        raise Unavailable(f"native kernels unavailable: {native.cpu_ops_error()}")
+    cpu_kernels()
     params = data.parameters()
     opt = CPUAdam(params, **HYPER)
     return Runner(step=opt.step, check=first_step_check(opt, params, data))
@@ -67,29 +65,23 @@ def provide_deepspeed(data: OptimData) -> Runner:
     cls = _deepspeed_cpu_adam()
     params = data.parameters()
     try:
-        opt = cls(params, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
-                  weight_decay=HYPER["weight_decay"], adamw_mode=True)  # fmt: skip
+        opt = cls(params, **HYPER, adamw_mode=True)
     except Exception as exc:  # noqa: BLE001 - its JIT build can fail
         raise Unavailable(f"DeepSpeedCPUAdam failed to build: {exc}") from None
     return Runner(step=opt.step, check=first_step_check(opt, params, data))
 
 
 def provide_offload_fastzero(data: OptimData) -> Runner:
-    if native.cpu_ops() is None:
-        raise Unavailable(f"native kernels unavailable: {native.cpu_ops_error()}")
+    cpu_kernels()
     master = [p.clone() for p in data.params]
     m = [torch.zeros_like(p) for p in master]
     v = [torch.zeros_like(p) for p in master]
     copies = [torch.empty_like(p, dtype=data.copy_dtype) for p in master]
-    beta1, beta2 = HYPER["betas"]
     step_no = [0]
 
     def step():
         step_no[0] += 1
-        cpu_adam_step(
-            master, data.grads, m, v, step=step_no[0], lr=HYPER["lr"], beta1=beta1, beta2=beta2,
-            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], param_copies=copies,
-        )  # fmt: skip
+        cpu_adam_step(master, data.grads, m, v, step=step_no[0], param_copies=copies, **step_args(HYPER))
 
     def check():
         step()
@@ -120,11 +112,6 @@ def provide_offload_torch(data: OptimData) -> Runner:
     return Runner(step=step, check=check)
 
 
-def _lazy(factory, *args):
-    """Providers build their data on first use, so a skipped case costs nothing."""
-    return lambda: factory(*args)
-
-
 def cases(
     sizes: list[int] | None = None, dtypes: list[str] | None = None, quick: bool = False, device: str = "cpu"
 ) -> list[Case]:
@@ -135,36 +122,41 @@ def cases(
     def fp32_case(name, tensor_sizes, description):
         data = functools.cache(lambda: adam_data(tensor_sizes))  # shared by the case's providers
         total = sum(tensor_sizes)
-        return Case(
-            NAME, name, total, 28 * total,
-            [
-                Provider("fastzero", "ours", lambda: provide_fastzero(data())),
-                Provider("torch_fused", "peer", lambda: provide_torch(data(), "fused")),
-                Provider("torch_foreach", "peer", lambda: provide_torch(data(), "foreach")),
-                Provider("deepspeed", "peer", lambda: provide_deepspeed(data())),
-                Provider("roofline", "roofline", _lazy(stream_roofline, tensor_sizes)),
-            ],
-            description,
-        )  # fmt: skip
+        providers = [
+            Provider("fastzero", "ours", lambda: provide_fastzero(data())),
+            Provider("torch_fused", "peer", lambda: provide_torch(data(), "fused")),
+            Provider("torch_foreach", "peer", lambda: provide_torch(data(), "foreach")),
+            Provider("deepspeed", "peer", lambda: provide_deepspeed(data())),
+            roofline("cpu", tensor_sizes),
+        ]
+        return Case(FAMILY.name, name, total, 28 * total, providers, description)
 
     if "fp32" in dtypes:
         for n in sizes:
             out.append(fp32_case(f"fp32-{_fmt(n)}", [n], f"fp32 AdamW step, {_fmt(n)} params in one tensor"))
         n = sizes[0]
-        out.append(fp32_case(f"fp32-{_fmt(n)}-x{MANY_TENSORS}", split_sizes(n, MANY_TENSORS),
-                             f"fp32 AdamW step, {_fmt(n)} params over {MANY_TENSORS} tensors of mixed sizes"))  # noqa: E501  # fmt: skip
+        what = f"fp32 AdamW step, {_fmt(n)} params over {MANY_TENSORS} tensors of mixed sizes"
+        out.append(fp32_case(f"fp32-{_fmt(n)}-x{MANY_TENSORS}", split_sizes(n, MANY_TENSORS), what))
     for name in dtypes:
         if name not in DTYPES:
             continue
         n = sizes[0]
         data = functools.cache(functools.partial(adam_data, [n], DTYPES[name], DTYPES[name]))
-        out.append(Case(
-            NAME, f"offload-{name}-{_fmt(n)}", n, 28 * n,
-            [
-                Provider("fastzero", "ours", lambda data=data: provide_offload_fastzero(data())),
-                Provider("torch_pipeline", "peer", lambda data=data: provide_offload_torch(data())),
-                Provider("roofline", "roofline", _lazy(stream_roofline, [n])),
-            ],
-            f"mixed-precision offload step: fp32 master, {name} grad in, {name} param copy out",
-        ))  # fmt: skip
+        providers = [
+            Provider("fastzero", "ours", lambda data=data: provide_offload_fastzero(data())),
+            Provider("torch_pipeline", "peer", lambda data=data: provide_offload_torch(data())),
+            roofline("cpu", [n]),
+        ]
+        what = f"mixed-precision offload step: fp32 master, {name} grad in, {name} param copy out"
+        out.append(Case(FAMILY.name, f"offload-{name}-{_fmt(n)}", n, 28 * n, providers, what))
     return out
+
+
+FAMILY = Family(
+    name="cpu_adam",
+    description="CPUAdam (SIMD C++) vs torch.optim.AdamW fused/foreach and DeepSpeedCPUAdam",
+    cases=cases,
+    peers=("torch_fused", "torch_foreach", "deepspeed", "torch_pipeline"),
+    roofline=roofline,
+    summary=bandwidth_summary,
+)

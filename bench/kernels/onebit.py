@@ -1,9 +1,9 @@
 """1-bit Adam's compression: the pack and unpack kernels against the memory
-roofline, and the compressed all-reduce against ``dist.all_reduce`` in fp32
-and fp16 over Gloo. Two families share this module
-(bench/kernels/__init__.py names them): ``onebit`` runs the kernel cases and
-then, on the CPU, the all-reduce cases, whose rows carry the kernel name
-``onebit_allreduce`` (``--kernel onebit_allreduce`` runs those alone).
+roofline, and (bench/kernels/onebit_allreduce.py, its own family) the
+compressed all-reduce against ``dist.all_reduce`` in fp32 and fp16 over
+Gloo. ``onebit`` runs the kernel cases and then, on the CPU, the all-reduce
+cases, whose rows carry the kernel name ``onebit_allreduce``
+(``--kernel onebit_allreduce`` runs those alone).
 
 Kernels (in process, the harness's checked, interleaved rounds), one tensor
 of N elements:
@@ -41,17 +41,6 @@ preallocated ``out``. Every provider is first checked against the reference
 reference itself to 1e-3: it sums in fp32), errors and unpacked values to
 rounding).
 
-All-reduce (CPU only; each case its own job of WORLD processes over Gloo,
-bench/onebit_worker.py, one thread each): ``fastzero.comm.compressed_allreduce``
-beside ``dist.all_reduce`` of the fp32 tensor and of an fp16 copy (cast
-untimed), checked first. Per provider: median ms per call (the slowest rank's
-time, each call started together after a barrier, interleaved rounds after a
-warm-up), bytes sent per rank per call (the comm layer's ``wire_bytes``), the
-compressed call's own pack + unpack time, and a model: wire bytes / link rate
-at 10 and 100 Gb/s (no latency, no compute; the ``+compute`` figure adds the
-compressed call's pack + unpack time measured here). World 4 runs 4 processes
-on however many cores the machine has: on 2 cores they are oversubscribed.
-
 Sizes: kernels 1M, 16M, 64M elements (GPU: and 256M); all-reduce 1M, 4M, 16M,
 64M at world 2 and 4. ``--quick``: kernels 1M and 4M (GPU 1M and 16M),
 all-reduce 1M at world 2 (about 10 s in all on 2 quiet cores). ``--sizes``
@@ -66,26 +55,21 @@ bytes are exact.
 from __future__ import annotations
 
 import functools
-import os
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from ..harness import Case, Provider, Runner, Timing, Unavailable, run_case
-from ..harness import format_size as _fmt
-from ..jobs import JobFailed, run_ranks
+from fastzero.ops import onebit
+from fastzero.ops.onebit import reference as ref
+from fastzero.ops.tolerances import TOLERANCES
 
-NAME = "onebit"
-DESCRIPTION = (
-    "1-bit Adam compression: pack and unpack (SIMD C++; CUDA and Triton with --device cuda) vs the reference and "
-    "the bandwidth roofline, then (CPU) the compressed all-reduce vs dist.all_reduce fp32/fp16 over Gloo at world "
-    "2 and 4 (rows: onebit_allreduce); not in --all (the all-reduce jobs take minutes)"
-)
-DEVICES = ("cpu", "cuda")
-IN_ALL = False
+from ..family import Family, Settings, measure_rounds
+from ..harness import Case, Provider, Runner
+from ..harness import format_size as _fmt
+from ..tables import fmt, row, skipped_lines, speedups
+from . import onebit_allreduce
+from .common import backend_ready, our_backends, roofline
 
 M = 1 << 20
 CHUNKS = 4  # pack's chunks: one per rank of a world of 4
@@ -94,12 +78,9 @@ SIZES = {"cpu": [1 * M, 16 * M, 64 * M], "cuda": [1 * M, 16 * M, 64 * M, 256 * M
 QUICK_SIZES = {"cpu": [1 * M, 4 * M], "cuda": [1 * M, 16 * M]}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TARGET = 0.7  # fraction of the roofline (the kernel's own bytes) the kernels should reach
-
-ALLREDUCE_SIZES, ALLREDUCE_QUICK_SIZES = [1 * M, 4 * M, 16 * M, 64 * M], [1 * M]
-WORLDS, QUICK_WORLDS = [2, 4], [2]
-ALLREDUCE_PROVIDERS = [("compressed", "ours"), ("fp32", "peer"), ("fp16", "peer")]
-LINKS = {"10gbps": 10e9 / 8, "100gbps": 100e9 / 8}  # bytes per second
-WORKER = "onebit_worker"  # a module of the bench package, run as each rank
+FP32 = TOLERANCES[torch.float32]  # the kernels' scales and the compressed result: fp32 rounding only
+# the plain-PyTorch reference's own scales sum in fp32: 6e-4 relative off the exact ones at 16M elements per chunk
+REFERENCE_RTOL = 1e-3
 
 
 def pack_bytes(numel: int, itemsize: int = 4, sweeps: int = 2) -> float:
@@ -112,44 +93,34 @@ def unpack_bytes(numel: int, rows: int = ROWS, average: bool = True) -> float:
     return numel / 8 + 4 * (numel // rows if average else numel)
 
 
-# --------------------------------------------------------------------------------------------------- kernel cases
+# --------------------------------------------------------------------------------------------------- checks
 
 
-def _available(backend: str, device: str) -> None:
-    from fastzero import native
-    from fastzero.ops.backend import cuda_status, triton_status
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise Unavailable("no CUDA device")
-    if backend == "cpu" and native.cpu_ops() is None:
-        raise Unavailable(f"native kernels unavailable: {native.cpu_ops_error()}")
-    if backend in ("cuda", "triton"):
-        ok, why = cuda_status() if backend == "cuda" else triton_status(device)
-        if not ok:
-            raise Unavailable(why)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float, atol: float) -> None:
-    """|got - want| <= atol + rtol |want| everywhere, or an AssertionError that says where and how far."""
+def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float, atol: float) -> None:
+    """|got - want| <= atol + rtol |want| everywhere, or an AssertionError that says how many are off, where the
+    worst is and how far (a short message: torch.testing's is slow on 64M elements)."""
     err = (got.float() - want.float()).abs()
     bad = err > atol + rtol * want.float().abs()
     if bool(bad.any()):
         worst = int(err.argmax())
-        raise AssertionError(f"{what}: {int(bad.sum())} of {got.numel()} elements off (worst at {worst}: "
-                             f"{float(got[worst]):.6g} vs {float(want[worst]):.6g})")  # fmt: skip
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {got.numel()} elements off (worst at {worst}: "
+            f"{float(got[worst]):.6g} vs {float(want[worst]):.6g})"
+        )
 
 
 def exact_compress(y: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bits, scales, new error) of compressing fp32 `y` (x + error already added): the math of
-    :func:`fastzero.ops.reference.onebit.compress` with the sum of squares in fp64, so the scales are the
-    correctly rounded ones (the reference's fp32 sums drift: 6e-4 relative at 16M elements per chunk, more where
-    the values repeat, as the server's averages of +-scales do)."""
-    from fastzero.ops.reference import onebit as ref
-
+    """(bits, scales, new error) of compressing fp32 `y` (x + error already added): the reference's
+    (:func:`fastzero.ops.onebit.reference.compress`: its sign bits, its decompress) with the scales correctly
+    rounded, summed in fp64. The reference's fp32 sums drift (6e-4 relative at 16M elements per chunk, more where
+    the values repeat, as the server's averages of +-scales do), past what a kernel's scales are held to."""
     y = y.reshape(chunks, -1)
-    scales = (y.double().square().sum(1) / y.shape[1]).sqrt().float()
-    error = y - scales[:, None] * torch.where(y >= 0, 1.0, -1.0)
-    return ref.pack_signs(y).reshape(-1), scales, error.reshape(-1)
+    bits = ref.pack_signs(y).reshape(-1)
+    scales = (torch.linalg.vector_norm(y.double(), dim=1) / y.shape[1] ** 0.5).float()
+    return bits, scales, y.reshape(-1) - ref.decompress(bits, scales)
+
+
+# --------------------------------------------------------------------------------------------------- kernel cases
 
 
 class PackData:
@@ -172,22 +143,20 @@ class PackData:
         if not torch.equal(bits, want_bits):
             wrong = int((bits != want_bits).sum())
             raise AssertionError(f"sign bits: {wrong} of {bits.numel()} bytes differ from the reference's")
-        _close(scales, want_scales, "scales", rtol, 0.0)
-        _close(error, want_error, "error", 0.0, 2 * rtol * float(want_scales.max()))
+        close(scales, want_scales, "scales", rtol, 0.0)
+        close(error, want_error, "error", 0.0, 2 * rtol * float(want_scales.max()))
 
 
 def pack_runner(data: Callable[[], PackData], backend: str, device: str) -> Runner:
     """`backend`'s pack over the case's data (made on first use, after the backend is found available)."""
-    from fastzero.ops import onebit
-
-    _available(backend, device)
+    backend_ready(backend, device)
     data = data()
     x, error = data.x, data.error.clone()
 
     def check():
         e = data.error.clone()
         bits, scales = onebit.pack(x, e, CHUNKS, backend=backend)
-        data.check(bits, scales, e, rtol=1e-3 if backend == "reference" else 1e-5)
+        data.check(bits, scales, e, rtol=REFERENCE_RTOL if backend == "reference" else FP32["rtol"])
 
     return Runner(step=lambda: onebit.pack(x, error, CHUNKS, backend=backend), check=check, cuda=device == "cuda")
 
@@ -203,8 +172,6 @@ class UnpackData:
 
     def expected(self, average: bool) -> torch.Tensor:
         """The reference's unpack (made once, shared by the case's providers)."""
-        from fastzero.ops.reference import onebit as ref
-
         if average not in self._expected:
             values = ref.decompress(self.bits, self.scales)
             self._expected[average] = values.reshape(ROWS, -1).mean(0) if average else values
@@ -212,9 +179,7 @@ class UnpackData:
 
 
 def unpack_runner(data: Callable[[], UnpackData], average: bool, backend: str, device: str) -> Runner:
-    from fastzero.ops import onebit
-
-    _available(backend, device)
+    backend_ready(backend, device)
     data = data()
     out = torch.empty(data.bits.numel() * 8 // (ROWS if average else 1), device=device)
 
@@ -226,7 +191,7 @@ def unpack_runner(data: Callable[[], UnpackData], average: bool, backend: str, d
         step()
         want = data.expected(average)
         if average:  # an fp32 mean of ROWS values: rounding only
-            _close(out, want, "average", 1e-6, 1e-6)
+            close(out, want, "average", 1e-6, 1e-6)
         elif not torch.equal(out, want):
             wrong = int((out != want).sum())
             raise AssertionError(f"rows: {wrong} of {out.numel()} values differ from the reference's")
@@ -237,8 +202,7 @@ def unpack_runner(data: Callable[[], UnpackData], average: bool, backend: str, d
 def fill_runner(numel: int, device: str) -> Runner:
     """torch's ``out.fill_``: only the unpack's output written, nothing read. What any kernel that writes that
     output with ordinary stores (each line read for ownership first, then written back) can reach."""
-    if device == "cuda" and not torch.cuda.is_available():
-        raise Unavailable("no CUDA device")
+    backend_ready(None, device)
     out = torch.empty(numel, device=device)
 
     def check():
@@ -257,20 +221,8 @@ class KernelCase(Case):
 
 
 def _ours(device: str) -> list[tuple[str, str]]:
-    """(provider, backend) of fastzero's kernels on `device`."""
-    return [("fastzero", "cpu")] if device == "cpu" else [("fastzero_cuda", "cuda"), ("fastzero_triton", "triton")]
-
-
-def _roofline(device: str, numel: int, writes: bool = False) -> Provider:
-    """The bandwidth probe over `numel` elements (the elements the case writes): on the CPU the in-place stream,
-    or for a kernel that mostly writes (`writes`: unpack) the write probe; on a GPU a copy."""
-    from .optim_common import cuda_copy_roofline, stream_roofline, write_roofline
-
-    if device == "cuda":
-        return Provider("roofline", "roofline", lambda: cuda_copy_roofline(numel), bytes=8 * numel)
-    if writes:
-        return Provider("roofline", "roofline", lambda: write_roofline([numel]), bytes=4 * numel)
-    return Provider("roofline", "roofline", lambda: stream_roofline([numel]), bytes=28 * numel)
+    """(provider, backend) of fastzero's kernels on `device` (the CPU's named: never the reference in its stead)."""
+    return [(p, b or "cpu") for p, b in our_backends(device)]
 
 
 def kernel_cases(sizes, dtypes=("fp32",), device: str = "cpu") -> list[KernelCase]:
@@ -283,29 +235,37 @@ def kernel_cases(sizes, dtypes=("fp32",), device: str = "cpu") -> list[KernelCas
         for n in sizes:
             data = functools.cache(lambda n=n, dtype=dtype: PackData(n, dtype, device))
             provs = [Provider(p, "ours", functools.partial(pack_runner, data, b, device)) for p, b in _ours(device)]
-            provs += [Provider("reference", "peer", functools.partial(pack_runner, data, "reference", device)),
-                      _roofline(device, n)]  # fmt: skip
+            provs += [
+                Provider("reference", "peer", functools.partial(pack_runner, data, "reference", device)),
+                roofline(device, [n]),
+            ]
             own, least = pack_bytes(n, size), pack_bytes(n, size, sweeps=1)
-            desc = (f"pack {_fmt(n)} {name} elements into sign bits, {CHUNKS} chunks (a world of {CHUNKS}), error "
-                    f"feedback in place; {own / n:g} B/element in two sweeps (the least: {least / n:g})")  # fmt: skip
-            out.append(KernelCase(NAME, f"pack-{name}-{_fmt(n)}", n, round(own), provs, desc, op="pack", dtype=name,
-                                  min_bytes=least, device=device))  # fmt: skip
+            desc = (
+                f"pack {_fmt(n)} {name} elements into sign bits, {CHUNKS} chunks (a world of {CHUNKS}), error "
+                f"feedback in place; {own / n:g} B/element in two sweeps (the least: {least / n:g})"
+            )
+            case_name = f"pack-{name}-{_fmt(n)}"
+            out.append(KernelCase(ONEBIT.name, case_name, n, round(own), provs, desc, "pack", name, least, device))
     for average in (True, False):
         for n in sizes:
             data = functools.cache(lambda n=n: UnpackData(n, device))
             make = functools.partial(unpack_runner, data, average)
             provs = [Provider(p, "ours", functools.partial(make, b, device)) for p, b in _ours(device)]
             written = n // ROWS if average else n
-            provs += [Provider("reference", "peer", functools.partial(make, "reference", device)),
-                      Provider("torch_fill", "peer", functools.partial(fill_runner, written, device)),
-                      _roofline(device, written, writes=True)]  # fmt: skip
+            provs += [
+                Provider("reference", "peer", functools.partial(make, "reference", device)),
+                Provider("torch_fill", "peer", functools.partial(fill_runner, written, device)),
+                roofline(device, [written], writes=True),
+            ]
             what = f"the mean of the rows, {_fmt(n // ROWS)}" if average else f"each row times its scale, {_fmt(n)}"
             own = unpack_bytes(n, average=average)
-            desc = (f"unpack the sign bits of {_fmt(n)} elements in {ROWS} rows: {what} fp32 into a preallocated out; "
-                    f"{own / n:g} B per packed element")  # fmt: skip
+            desc = (
+                f"unpack the sign bits of {_fmt(n)} elements in {ROWS} rows: {what} fp32 into a preallocated out; "
+                f"{own / n:g} B per packed element"
+            )
             name = f"unpack-{'avg' if average else 'rows'}{ROWS}-{_fmt(n)}"
-            out.append(KernelCase(NAME, name, n, round(own), provs, desc, op="unpack-avg" if average else "unpack-rows",
-                                  min_bytes=own, device=device))  # fmt: skip
+            op = "unpack-avg" if average else "unpack-rows"
+            out.append(KernelCase(ONEBIT.name, name, n, round(own), provs, desc, op, "fp32", own, device))
     return out
 
 
@@ -313,131 +273,26 @@ def cases(sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
     """``--sizes`` are element counts (of the kernels' tensors and the all-reduced tensor); ``--dtype`` picks
     pack's input dtypes (default fp32; the all-reduce always compares fp32 and fp16)."""
     kernel = kernel_cases(sizes or (QUICK_SIZES if quick else SIZES)[device], dtypes or ["fp32"], device)
-    return kernel + (ALLREDUCE.cases(sizes, dtypes, quick, device) if device == "cpu" else [])
+    return kernel + (onebit_allreduce.cases(sizes, dtypes, quick, device) if device == "cpu" else [])
 
 
-def measure(case: KernelCase, args, say) -> tuple[list[dict], dict]:
-    """bench.run's hook for the kernel cases: the harness's rounds, then the extra figures (the fraction of the
-    roofline over the least bytes) and each row's gate."""
+def measure(case: KernelCase, settings: Settings, say) -> tuple[list[dict], dict]:
+    """The kernel cases: the harness's rounds, then the extra figures (the fraction of the roofline over the least
+    bytes) and each row's gate."""
     if case.device == "cuda" and not torch.cuda.is_available():  # the harness needs one provider that runs
         return [], {p.name: "no CUDA device" for p in case.providers}
-    res = run_case(case, warmup=args.warmup, repeats=args.repeats, on_progress=say, slowdown=args.inject_slowdown)
-    rows = res.rows()
+    rows, skipped = measure_rounds(case, settings, say)
+    kinds = {p.name: p.kind for p in case.providers}
     extra = []
     for r in rows:
-        r["gated"] = r["metric"] == "frac_roofline" and res.timings[r["provider"]].kind == "ours"
+        r["gated"] = r["metric"] == "frac_roofline" and kinds[r["provider"]] == "ours"
         if r["metric"] in ("frac_roofline", "gb_per_s") and case.op == "pack" and r["provider"] != "roofline":
-            extra.append(dict(r, metric=f"{r['metric']}_min_bytes", value=r["value"] * case.min_bytes / case.bytes,
-                              gated=False))  # fmt: skip
-    return rows + extra, res.skipped
-
-
-# --------------------------------------------------------------------------------------------------- all-reduce
-
-
-def run_job(spec: dict, world: int, timeout: float) -> dict:
-    """Runs bench/onebit_worker.py as `world` ranks; rank 0's result (JobFailed with the failing rank's log, or
-    the check's message)."""
-    result = run_ranks(WORKER, spec, world, timeout)
-    if "error" in result:
-        raise JobFailed(f"the check before timing failed: {result['error']}")
-    return result
-
-
-@dataclass
-class AllReduceCase(Case):
-    world: int = 2
-
-
-def _self_timed() -> Runner:
-    raise Unavailable("a multi-process job: timed by python -m bench.run --kernel onebit (or onebit_allreduce)")
-
-
-def _allreduce_cases(sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
-    """One case per world size and tensor size (fp32 elements)."""
-    out = []
-    for world in QUICK_WORLDS if quick else WORLDS:
-        for n in sizes or (ALLREDUCE_QUICK_SIZES if quick else ALLREDUCE_SIZES):
-            provs = [Provider(p, kind, _self_timed) for p, kind in ALLREDUCE_PROVIDERS]
-            cores = os.cpu_count() or 1
-            desc = (f"all-reduce of {_fmt(n)} fp32 elements at world {world} over Gloo on this machine's loopback "
-                    f"({world} processes, one thread each, on {cores} cores"
-                    f"{': oversubscribed' if world > cores else ''}); compressed: 1-bit both ways with error "
-                    f"feedback; fp32 and fp16: dist.all_reduce")  # fmt: skip
-            out.append(AllReduceCase("onebit_allreduce", f"w{world}-{_fmt(n)}", n, 4 * n, provs, desc, world=world))
-    return out
-
-
-def _calls(numel: int, repeats: int) -> tuple[int, int]:
-    """(warm-up, timed calls) per provider: fewer for the big tensors (a round of the 64M case takes about a
-    second at world 4 on 2 cores; loopback times spread 10-50% there, so no fewer than 9)."""
-    if numel >= 64 * M:
-        return 1, min(repeats, 9)
-    if numel >= 16 * M:
-        return 2, min(repeats, 11)
-    return 3, repeats
-
-
-def _allreduce_measure(case: AllReduceCase, args, say) -> tuple[list[dict], dict]:
-    """bench.run's hook for the all-reduce cases: one job of case.world processes."""
-    providers = [p.name for p in case.providers]
-    if not providers:
-        return [], {}
-    warmup, calls = _calls(case.numel, args.repeats)
-    unit = 8 * case.world  # the check's tensor: at most 1M elements, whole bytes of bits per rank (no padding)
-    spec = dict(sizes=[case.numel], providers=providers, warmup=min(args.warmup, warmup), calls={case.numel: calls},
-                slowdown=args.inject_slowdown, check_numel=max(unit, min(case.numel, M) // unit * unit))  # fmt: skip
-    say(f"{case.name}: {case.world} processes over Gloo")
-    res = run_job(spec, case.world, timeout=300 if args.quick else 900)
-    return allreduce_rows(case, res["sizes"][str(case.numel)]), {}
-
-
-def allreduce_rows(case: AllReduceCase, res: dict) -> list[dict]:
-    """Per provider: median ms, spread, bytes sent per rank per call, the link models; compressed: its pack +
-    unpack ms, its bytes and speed relative to fp32 and fp16 (same rounds), and the modelled speedups."""
-    out = []
-
-    def row(provider, metric, value):
-        out.append(dict(kernel=case.kernel, case=case.name, provider=provider, metric=metric, value=value,
-                        gated=False))  # fmt: skip
-
-    timings = {p: Timing(p, "ours" if p == "compressed" else "peer", r["times"]) for p, r in res.items()}
-    compute = statistics.median(res["compressed"]["compute_times"]) if "compressed" in res else 0.0
-    for p, r in res.items():
-        t = timings[p]
-        row(p, "median_ms", t.median * 1e3)
-        row(p, "spread", t.spread)
-        row(p, "timed_calls", len(t.times))
-        row(p, "wire_bytes", r["wire_bytes"])
-        row(p, "collectives", r["collectives"])
-        for link, rate in LINKS.items():
-            row(p, f"model_ms_{link}", r["wire_bytes"] / rate * 1e3)
-        if p == "compressed":
-            row(p, "compute_ms", compute * 1e3)
-            row(p, "scale_bytes", r["scale_bytes"])
-            for link, rate in LINKS.items():
-                row(p, f"model_ms_{link}_with_compute", (r["wire_bytes"] / rate + compute) * 1e3)
-    if "compressed" in res:
-        ours = timings["compressed"]
-        for peer in [p for p in res if p != "compressed"]:
-            row("compressed", f"speedup_vs_{peer}",
-                statistics.median(a / b for a, b in zip(timings[peer].times, ours.times)))  # fmt: skip
-            row("compressed", f"bytes_vs_{peer}", res[peer]["wire_bytes"] / res["compressed"]["wire_bytes"])
-            for link, rate in LINKS.items():  # the bytes alone: bytes_vs_{peer} at any rate
-                row("compressed", f"model_speedup_vs_{peer}_{link}_with_compute",
-                    res[peer]["wire_bytes"] / rate / (res["compressed"]["wire_bytes"] / rate + compute))  # fmt: skip
-    return out
+            least = r["value"] * case.min_bytes / case.bytes
+            extra.append(dict(r, metric=f"{r['metric']}_min_bytes", value=least, gated=False))
+    return rows + extra, skipped
 
 
 # --------------------------------------------------------------------------------------------------- tables
-
-
-def _f(v, spec, scale=1.0) -> str:
-    return "" if v is None else format(v / scale, spec)
-
-
-def _mib(v) -> str:
-    return "" if v is None else f"{v / M:.3f} MiB" if v < 10 * M else f"{v / M:.1f} MiB"
 
 
 def table(case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
@@ -447,20 +302,23 @@ def table(case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
     if pack:
         head += ["of roofline (least bytes)"]
     head += [f"target {TARGET:g}", "speedups (peer time / this)"]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 2) + "---|"]
+    lines = [row(head), "|---|" + "---:|" * (len(head) - 2) + "---|"]
     for prov, m in provs.items():
         frac = m.get("frac_roofline")
-        cells = [prov, _f(m.get("median_ms"), ".3f"), _f(m.get("spread"), ".1%"), _f(m.get("gb_per_s"), ".1f"),
-                 _f(frac, ".2f")]  # fmt: skip
+        cells = [
+            prov,
+            fmt(m.get("median_ms"), ".3f"),
+            fmt(m.get("spread"), ".1%"),
+            fmt(m.get("gb_per_s"), ".1f"),
+            fmt(frac, ".2f"),
+        ]
         if pack:
-            cells.append(_f(m.get("frac_roofline_min_bytes"), ".2f"))
+            cells.append(fmt(m.get("frac_roofline_min_bytes"), ".2f"))
         ours = prov.startswith("fastzero")
         cells.append(("met" if frac >= TARGET else "below") if ours and frac is not None else "")
-        cells.append(", ".join(f"{k.removeprefix('speedup_vs_')} {v:.2f}x" for k, v in m.items()
-                               if k.startswith("speedup_vs_")))  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    for prov, why in case_info.get("skipped", {}).items():
-        lines.append(f"| {prov} | skipped: {why} |" + " |" * (len(head) - 2))
+        cells.append(", ".join(f"{peer} {v:.2f}x" for peer, v in speedups(m)))
+        lines.append(row(cells))
+    lines += skipped_lines(case_info, len(head))
     legend = (
         "ms: median of interleaved rounds; GB/s: the kernel's own bytes (pack: two sweeps, 20.125 B per fp32 "
         "element; unpack: bits read + fp32 written) over the time; of roofline: that rate over the bandwidth probe's "
@@ -485,46 +343,18 @@ def table(case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
     return lines + ["", legend]
 
 
-def allreduce_table(case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
-    head = ["provider", "bytes sent/rank", "ms/call", "spread", "pack+unpack ms", "model 10 Gb/s ms",
-            "model 100 Gb/s ms"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for prov, m in provs.items():
-        cells = [prov, _mib(m.get("wire_bytes")), _f(m.get("median_ms"), ".2f"), _f(m.get("spread"), ".1%"),
-                 _f(m.get("compute_ms"), ".2f"), _f(m.get("model_ms_10gbps"), ".2f"),
-                 _f(m.get("model_ms_100gbps"), ".3f")]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    for prov, why in case_info.get("skipped", {}).items():
-        lines.append(f"| {prov} | skipped: {why} |" + " |" * (len(head) - 2))
-    c = provs.get("compressed", {})
-    peers = [p for p in provs if p != "compressed" and f"speedup_vs_{p}" in c]
-    if peers:
-        lines += ["", "compressed against each peer (peer / compressed). Model + compute: the peer's modelled time "
-                      "over the compressed call's modelled time plus its pack + unpack time measured here (the bytes "
-                      "alone give the 'fewer bytes' ratio at any link rate):", "",
-                  "| vs | fewer bytes | loopback speed | model + compute, 10 Gb/s | model + compute, 100 Gb/s |",
-                  "|---|---:|---:|---:|---:|"]  # fmt: skip
-        for p in peers:
-            cells = [f"{c[f'bytes_vs_{p}']:.1f}x", f"{c[f'speedup_vs_{p}']:.2f}x"]
-            cells += [f"{c[f'model_speedup_vs_{p}_{link}_with_compute']:.2f}x" for link in LINKS]
-            lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    return lines + ["", (
-        "ms/call: median over the timed calls of the slowest rank's time, every call started on all ranks together "
-        "(a barrier) in interleaved rounds after a warm-up. Bytes sent per rank per call: the comm layer's "
-        "wire_bytes (what a bandwidth-optimal ring algorithm sends; Gloo's own algorithm may send otherwise). "
-        "compressed: fastzero.comm.compressed_allreduce (fp32 in, the average out, error buffers updated); fp32 / "
-        "fp16: dist.all_reduce of the tensor (fp16: a copy cast before the call, not timed). Model ms: bytes sent / "
-        "link rate (10 Gb/s = 1.25 GB/s, 100 Gb/s = 12.5 GB/s), a model that ignores latency and compute."
-    )]  # fmt: skip
-
-
-ALLREDUCE = SimpleNamespace(
-    NAME="onebit_allreduce",
-    DESCRIPTION=("1-bit Adam's compressed all-reduce vs dist.all_reduce fp32/fp16 over Gloo at world 2 and 4 (also "
-                 "run by --kernel onebit); bytes sent per rank, time per call, 10/100 Gb/s link model; not in --all"),
-    DEVICES=("cpu",),
-    IN_ALL=False,
-    cases=_allreduce_cases,
-    measure=_allreduce_measure,
-    table=allreduce_table,
-)  # fmt: skip
+ONEBIT = Family(
+    name="onebit",
+    description=(
+        "1-bit Adam compression: pack and unpack (SIMD C++; CUDA and Triton with --device cuda) vs the reference "
+        "and the bandwidth roofline, then (CPU) the compressed all-reduce vs dist.all_reduce fp32/fp16 over Gloo at "
+        "world 2 and 4 (rows: onebit_allreduce); not in --all (the all-reduce jobs take minutes)"
+    ),
+    cases=cases,
+    peers=("reference", "torch_fill"),
+    roofline=roofline,
+    devices=("cpu", "cuda"),
+    in_all=False,
+    measure=measure,
+    table=table,
+)

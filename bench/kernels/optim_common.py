@@ -1,5 +1,6 @@
 """Pieces the optimizer benchmarks share: fresh inputs with the reference's
-result of one step, checks against it, and the bandwidth probes."""
+result of one step, checks against it, and the sizes of the GPU-capable
+optimizers' cases."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from fastzero import native
 from fastzero.ops.tolerances import assert_close
 
-from ..harness import Runner, Unavailable
+from ..harness import Case, Provider, format_size
+from .common import our_backends, roofline
 
 
 def split_sizes(total: int, count: int) -> list[int]:
@@ -22,13 +23,30 @@ def split_sizes(total: int, count: int) -> list[int]:
     return sizes
 
 
+def step_args(hyper: dict) -> dict:
+    """Optimizer hyperparameters (torch's ``betas``) as the step functions take them (``beta1``, ``beta2``)."""
+    out = dict(hyper)
+    out["beta1"], out["beta2"] = out.pop("betas")
+    return out
+
+
 class OptimData:
     """Fresh random inputs for one case, and the reference's result of one
     step from zero optimizer state (fp32 states); every provider starts from
     clones. `copy_dtype`: the low-precision param copy an offload step writes."""
 
-    def __init__(self, sizes, reference_step: Callable, hyper: dict, *, param_dtype=torch.float32,
-                 grad_dtype=torch.float32, copy_dtype=None, device="cpu", seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        sizes,
+        reference_step: Callable,
+        hyper: dict,
+        *,
+        param_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        copy_dtype=None,
+        device="cpu",
+        seed: int = 0,
+    ):
         gen = torch.Generator(device=device).manual_seed(seed)
         # uniform_ is several times faster than randn at 64M elements, and as fresh
         self.params = [torch.empty(n, device=device).uniform_(-1, 1, generator=gen).to(param_dtype) for n in sizes]
@@ -41,9 +59,7 @@ class OptimData:
         m = [torch.zeros_like(t, dtype=torch.float32) for t in p]
         v = [torch.zeros_like(t, dtype=torch.float32) for t in p]
         c = None if self.copy_dtype is None else [torch.empty_like(t, dtype=self.copy_dtype) for t in p]
-        hyper = dict(self.hyper)
-        beta1, beta2 = hyper.pop("betas")
-        self.reference_step(p, self.grads, m, v, step=1, beta1=beta1, beta2=beta2, param_copies=c, **hyper)
+        self.reference_step(p, self.grads, m, v, step=1, param_copies=c, **step_args(self.hyper))
         return p, m, v, c
 
     def check(self, params, exp_avgs=None, exp_avg_sqs=None, copies=None):
@@ -75,69 +91,39 @@ def first_step_check(opt, params, data: OptimData, state_keys=("exp_avg", "exp_a
     return check
 
 
-def stream_roofline(sizes: list[int]) -> Runner:
-    """The CPU bandwidth probe over tensors of the case's sizes: the bytes of
-    an Adam step per element (read 4 arrays, write 3) and the same layout."""
-    ops = native.cpu_ops()
-    if ops is None:
-        raise Unavailable(f"native kernels unavailable: {native.cpu_ops_error()}")
-    isa = native.ISA_NAMES.index(native.cpu_isa())
-    arrays = [[torch.empty(n).uniform_(-1, 1) for n in sizes] for _ in range(4)]
-    ptrs = [[t.data_ptr() for t in ts] for ts in arrays]
-
-    def step():
-        ops.stream_update(isa, *ptrs, sizes, 1e-7, torch.get_num_threads())
-
-    def check():
-        a, b, c, d = arrays
-        want = [[t + 1e-7 * bt for t, bt in zip(ts, b)] for ts in (a, c, d)]
-        step()
-        for got, exp in zip((a, c, d), want):
-            for g, e in zip(got, exp):
-                assert_close(g, e)
-
-    return Runner(step=step, check=check)
+# FusedAdam's and FusedLamb's cases: sizes (params) per device, and the many-tensor case's tensors and total
+M = 1 << 20
+SIZES = {"cpu": [16 * M], "cuda": [1 * M, 64 * M, 512 * M]}
+QUICK_SIZES = {"cpu": [16 * M], "cuda": [1 * M, 64 * M]}
+MANY = {"cpu": 400, "cuda": 300}
+MANY_TOTAL = {"cpu": 16 * M, "cuda": 256 * M}
 
 
-STREAM_OUT_BYTES = 8 << 20  # csrc/cpu/onebit.cpp's kStreamOutBytes: larger outputs bypass the cache
+def layouts(prefix: str, sizes: list[int] | None, quick: bool, device: str) -> list[tuple[str, list[int]]]:
+    """(case name, tensor sizes): one tensor of each size (--sizes, else the device's), then the many-tensor case
+    (MANY tensors of mixed sizes over the largest --size, else MANY_TOTAL)."""
+    many_total = max(sizes) if sizes else MANY_TOTAL[device]
+    out = [(f"{prefix}-{format_size(n)}", [n]) for n in sizes or (QUICK_SIZES if quick else SIZES)[device]]
+    out.append((f"{prefix}-{format_size(many_total)}-x{MANY[device]}", split_sizes(many_total, MANY[device])))
+    return out
 
 
-def write_roofline(sizes: list[int]) -> Runner:
-    """The CPU write-bandwidth probe: every element of tensors of the case's
-    sizes set, nothing read (4 B per element), as the 1-bit unpack writes:
-    plain stores while the output fits in the caches, cache-bypassing ones
-    from STREAM_OUT_BYTES. The ceiling of a kernel that mostly writes, where
-    the in-place probe, whose writes follow its reads of the same lines,
-    overstates it."""
-    ops = native.cpu_ops()
-    if ops is None:
-        raise Unavailable(f"native kernels unavailable: {native.cpu_ops_error()}")
-    isa = native.ISA_NAMES.index(native.cpu_isa())
-    arrays = [torch.empty(n) for n in sizes]
-    ptrs = [t.data_ptr() for t in arrays]
-    nt = 4 * sum(sizes) >= STREAM_OUT_BYTES
-
-    def step():
-        ops.stream_fill(isa, ptrs, sizes, 0.5, nt, torch.get_num_threads())
-
-    def check():
-        step()
-        for t in arrays:
-            assert bool((t == 0.5).all()), "the write probe left other values"
-
-    return Runner(step=step, check=check)
-
-
-def cuda_copy_roofline(numel: int) -> Runner:
-    """The GPU's copy bandwidth: dst.copy_(src) over `numel` fp32 elements
-    (bytes read plus written = 8 per element)."""
-    if not torch.cuda.is_available():
-        raise Unavailable("no CUDA device")
-    src = torch.empty(numel, device="cuda").uniform_(-1, 1)
-    dst = torch.empty_like(src)
-
-    def check():
-        dst.copy_(src)
-        assert torch.equal(dst, src)
-
-    return Runner(step=lambda: dst.copy_(src), check=check, cuda=True)
+def optim_case(
+    kernel: str,
+    name: str,
+    sizes: list[int],
+    bytes_per_param: int,
+    data: Callable[[], OptimData],
+    ours: Callable,
+    peer: tuple[str, Callable],
+    description: str,
+    device: str,
+) -> Case:
+    """A case of an optimizer that runs on the CPU and on GPUs: fastzero's backends on `device`
+    (``ours(data, backend, device)``), one peer (``(name, make(data(), device))``) and the device's bandwidth probe,
+    over tensors of `sizes` from `data` (made on first use, shared)."""
+    peer_name, make_peer = peer
+    n = sum(sizes)
+    providers = [Provider(p, "ours", functools.partial(ours, data, b, device)) for p, b in our_backends(device)]
+    providers += [Provider(peer_name, "peer", lambda: make_peer(data(), device)), roofline(device, sizes)]
+    return Case(kernel, name, n, bytes_per_param * n, providers, description)

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..harness import Case, Provider, Timing, Unavailable
+from ..family import Family, Settings
+from ..harness import Case, Provider, Rows, Timing, self_timed
 from ..jobs import JobFailed, run_ranks
+from ..tables import fmt, row, skipped_lines
 
-DEVICES = ("cpu",)
 WORLD = 2
 LAYERS = 4
 MICRO = 64
@@ -83,29 +84,21 @@ def offload_device_formula(stage: int, psi: int, n: int = WORLD) -> float:
     return (4 * psi if stage < 3 else 4 * psi / n) + 4 * psi / n
 
 
-def _self_timed() -> None:
-    raise Unavailable("a multi-process job: timed by python -m bench.run --kernel zero/zero3/offload, not per call")
-
-
 def run_job(spec: dict, timeout: float) -> dict:
     """Runs one variant as WORLD ranks; returns rank 0's result."""
     return run_ranks(WORKER, spec, WORLD, timeout)
 
 
-def _f(v, spec, scale=1.0) -> str:
-    return "" if v is None else format(v / scale, spec)
-
-
 @dataclass
-class Family:
-    """One benchmark family: its variants (provider -> {row name: the
+class Jobs:
+    """One ZeRO family's jobs: its variants (provider -> {row name: the
     worker's variant}), what each fastzero row is compared with (the fastest
     of `against[row]`, metric `best_metric`), the gated row, and its table's
-    columns (header, metric, format, scale). An instance has the attributes
-    bench.run reads from a family's module."""
+    columns (header, metric, format, scale). ``family`` is what bench.run
+    knows of it."""
 
-    NAME: str
-    DESCRIPTION: str
+    name: str
+    description: str
     variants: dict[str, dict[str, dict]]
     against: dict[str, tuple[str, ...]]
     best_metric: str
@@ -114,8 +107,14 @@ class Family:
     columns: list[tuple[str, str, str, float]]
     legend: str
     roofline: bool = False  # the worker times the CPU Adam kernel against the streaming roofline
-    DEVICES: tuple[str, ...] = DEVICES
-    IN_ALL: bool = False  # minutes of 2-process jobs that fill both cores: run it with --kernel NAME
+
+    @property
+    def family(self) -> Family:
+        # not in --all: minutes of 2-process jobs that fill both cores (the description says so)
+        peers = tuple(p for p in self.variants if p != "fastzero")
+        return Family(
+            self.name, self.description, self.cases, peers, None, in_all=False, measure=self.measure, table=self.table
+        )
 
     def variant(self, row: str) -> dict:
         return next(v[row] for v in self.variants.values() if row in v)
@@ -123,33 +122,47 @@ class Family:
     def cases(self, sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
         """One case per hidden width (``--sizes`` are widths here; fp32 only)."""
         out = []
+        timed_here = self_timed(
+            "a multi-process job: timed by python -m bench.run --kernel zero/zero3/offload, not per call"
+        )
         for w in sizes or [QUICK_WIDTH if quick else WIDTH]:
             psi = params(w)
-            provs = [Provider(p, "ours" if p == "fastzero" else "peer", _self_timed) for p in self.variants]
-            desc = (f"{LAYERS} x (Linear({w},{w}) + GELU), {psi / 1e6:.2f}M params fp32, micro-batch {MICRO} x "
-                    f"{WORLD} ranks (Gloo), AdamW, reduce bucket {bucket(psi):,} elements")  # fmt: skip
-            if self.NAME != "zero":
+            provs = [Provider(p, "ours" if p == "fastzero" else "peer", timed_here) for p in self.variants]
+            desc = (
+                f"{LAYERS} x (Linear({w},{w}) + GELU), {psi / 1e6:.2f}M params fp32, micro-batch {MICRO} x "
+                f"{WORLD} ranks (Gloo), AdamW, reduce bucket {bucket(psi):,} elements"
+            )
+            if self.name != "zero":
                 desc += f"; stage 3: prefetch {prefetch(psi):,} elements, persistence threshold {persist(w):,}"
-            out.append(Case(self.NAME, f"mlp{LAYERS}x{w}", psi, 0, provs, desc))
+            out.append(Case(self.name, f"mlp{LAYERS}x{w}", psi, 0, provs, desc))
         return out
 
-    def measure(self, case: Case, args, say) -> tuple[list[dict], dict]:
-        """bench.run's hook for this family: runs every variant of the case's
-        providers (those not --skip'ped), returns (rows, skipped)."""
+    def measure(self, case: Case, settings: Settings, say) -> tuple[list[dict], dict]:
+        """Runs every variant of the case's providers (those not skipped), returns (rows, skipped)."""
         width = int(case.name.rsplit("x", 1)[1])
-        spec = dict(width=width, layers=LAYERS, micro=MICRO, bucket=bucket(case.numel), persist=persist(width),
-                    warmup=args.warmup, steps=STEPS_PER_REPEAT * args.repeats, slowdown=args.inject_slowdown,
-                    roofline=self.roofline, kernel_rounds=15 if self.roofline else 7)  # fmt: skip
+        spec = dict(
+            width=width,
+            layers=LAYERS,
+            micro=MICRO,
+            bucket=bucket(case.numel),
+            persist=persist(width),
+            warmup=settings.warmup,
+            steps=STEPS_PER_REPEAT * settings.repeats,
+            slowdown=settings.slowdown,
+            roofline=self.roofline,
+            kernel_rounds=15 if self.roofline else 7,
+        )
         results, skipped = {}, {}
         for prov in case.providers:
             for name, variant in self.variants[prov.name].items():
-                if name in args.skip:  # a single variant, e.g. --skip fsdp2-reshard
+                if name in settings.skip:  # a single variant, e.g. --skip fsdp2-reshard
                     continue
                 if variant.get("prefetch"):
                     variant = dict(variant, prefetch=prefetch(case.numel))
                 say(f"{case.name}: {name} ({WORLD} processes)")
                 try:
-                    res = run_job(dict(spec, provider=prov.name, variant=variant), timeout=120 if args.quick else 600)
+                    job = dict(spec, provider=prov.name, variant=variant)
+                    res = run_job(job, timeout=120 if settings.quick else 600)
                 except JobFailed as exc:
                     if prov.kind == "ours":
                         raise
@@ -162,93 +175,131 @@ class Family:
         return self.rows(case, results), skipped
 
     def rows(self, case: Case, results: dict[str, dict]) -> list[dict]:
-        out = []
-
-        def row(provider, metric, value, **more):
-            if value is not None:
-                out.append(dict(kernel=case.kernel, case=case.name, provider=provider, metric=metric, value=value,
-                                **more))  # fmt: skip
-
+        out = Rows(case)
         psi = case.numel
         medians = {}
         for name, res in results.items():
             t = Timing(name, "ours" if name.startswith("fastzero") else "peer", res["times"])
             medians[name] = t.median
-            row(name, "median_ms", t.median * 1e3)
-            row(name, "spread", t.spread)
-            row(name, "samples_per_s", MICRO * WORLD / t.median)
-            row(name, "timed_steps", len(res["times"]))
-            row(name, "model_state_bytes", res["model_state_bytes"])
-            if self.NAME != "zero":
-                row(name, "peak_rss_growth_bytes", res.get("peak_rss_growth_bytes"))
+            out.add(name, "median_ms", t.median * 1e3)
+            out.add(name, "spread", t.spread)
+            out.add(name, "samples_per_s", MICRO * WORLD / t.median)
+            out.add(name, "timed_steps", len(res["times"]))
+            out.add(name, "model_state_bytes", res["model_state_bytes"])
+            if self.name != "zero":
+                out.add(name, "peak_rss_growth_bytes", res.get("peak_rss_growth_bytes"))
             if name.startswith("fastzero"):
-                self._fastzero_rows(row, name, res, psi)
+                self._fastzero_rows(out, name, res, psi)
         for name in [n for n in medians if n.startswith("fastzero")]:
             for peer in [n for n in medians if not n.startswith("fastzero")]:
-                row(name, f"speedup_vs_{peer}", medians[peer] / medians[name])
+                out.add(name, f"speedup_vs_{peer}", medians[peer] / medians[name])
             best = min((medians[n] for n in self.against.get(name, ()) if n in medians), default=None)
             if best is not None:
                 # the gated figure: one ratio of the same run, against whichever named peer was fastest
-                row(name, self.best_metric, best / medians[name], gated=name == self.gated)
+                out.add(name, self.best_metric, best / medians[name], gated=name == self.gated)
         return out
 
-    def _fastzero_rows(self, row, name, res, psi) -> None:
+    def _fastzero_rows(self, out: Rows, name, res, psi) -> None:
         v, ex = self.variant(name), res["extra"]
         stage, offload = v["stage"], v.get("offload", False)
         buckets, persistent = res["grad_bucket_bytes"], res.get("persistent_bytes", 0)
-        row(name, "grad_bucket_bytes", buckets)
-        row(name, "grad_comm_hidden", ex["hidden_frac"])
-        row(name, "step_call_ms", ex["step_ms"])
-        row(name, "kernel_ms", ex["kernel_ms"])
+        out.add(name, "grad_bucket_bytes", buckets)
+        out.add(name, "grad_comm_hidden", ex["hidden_frac"])
+        out.add(name, "step_call_ms", ex["step_ms"])
+        out.add(name, "kernel_ms", ex["kernel_ms"])
         if stage == 3:
-            row(name, "persistent_bytes", persistent)
-            row(name, "peak_gathered_bytes", res["peak_gathered_bytes"])
+            out.add(name, "persistent_bytes", persistent)
+            out.add(name, "peak_gathered_bytes", res["peak_gathered_bytes"])
         if offload:
             device = res["model_state_bytes"] - res["offloaded_bytes"]
             formula = offload_device_formula(stage, psi)
-            row(name, "device_bytes", device)
-            row(name, "offloaded_bytes", res["offloaded_bytes"])
-            row(name, "staging_bytes", res["staging_bytes"])
-            row(name, "device_formula_bytes", formula)
-            row(name, "of_device_formula", (device - buckets - persistent) / formula)
-            row(name, "adam_in_step_ms", ex["adam_in_step_ms"])
+            out.add(name, "device_bytes", device)
+            out.add(name, "offloaded_bytes", res["offloaded_bytes"])
+            out.add(name, "staging_bytes", res["staging_bytes"])
+            out.add(name, "device_formula_bytes", formula)
+            out.add(name, "of_device_formula", (device - buckets - persistent) / formula)
+            out.add(name, "adam_in_step_ms", ex["adam_in_step_ms"])
             for key in ("roofline_ms", "kernel_gbps", "roofline_gbps", "kernel_of_roofline"):
-                row(name, key, ex[key])
+                out.add(name, key, ex[key])
             return
         formula = formula_bytes(stage, psi)
-        row(name, "zero_formula_bytes", formula)
-        row(name, "of_zero_formula", (res["model_state_bytes"] - buckets - persistent) / formula)
+        out.add(name, "zero_formula_bytes", formula)
+        out.add(name, "of_zero_formula", (res["model_state_bytes"] - buckets - persistent) / formula)
         if stage < 3:
-            row(name, "allgather_ms", ex["allgather_ms"])
-            row(name, "step_over_kernel_allgather", ex["step_ms"] / (ex["kernel_ms"] + ex["allgather_ms"]))
+            out.add(name, "allgather_ms", ex["allgather_ms"])
+            out.add(name, "step_over_kernel_allgather", ex["step_ms"] / (ex["kernel_ms"] + ex["allgather_ms"]))
 
     def table(self, case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
         """Markdown for bench.run's terminal output and report."""
         cols = self.columns
-        lines = ["| provider | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+        lines = [row(["provider", *(c[0] for c in cols)]), "|---|" + "---:|" * len(cols)]
         for prov, m in provs.items():
-            lines.append(
-                f"| {prov} | " + " | ".join(_f(m.get(key), spec, scale) for _, key, spec, scale in cols) + " |"
-            )
-        for prov, why in case_info.get("skipped", {}).items():
-            lines.append(f"| {prov} | skipped: {why} |" + " |" * (len(cols) - 1))
+            lines.append(row([prov, *(fmt(m.get(key), spec, scale) for _, key, spec, scale in cols)]))
+        lines += skipped_lines(case_info, len(cols) + 1)
         ours = [p for p in provs if p.startswith("fastzero")]
         peers = [p for p in provs if not p.startswith("fastzero")]
         if ours and peers:
-            head = "| | " + " | ".join(peers) + f" | {self.best_label} |"
-            lines += ["", "Speedup of fastzero (peer time / fastzero time, same run):", "", head]
+            lines += [
+                "",
+                "Speedup of fastzero (peer time / fastzero time, same run):",
+                "",
+                "| " + row([*peers, self.best_label]),
+            ]
             lines.append("|---|" + "---:|" * (len(peers) + 1))
             for p in ours:
-                cells = [_f(provs[p].get(f"speedup_vs_{q}"), ".2f") + "x" for q in peers]
+                cells = [fmt(provs[p].get(f"speedup_vs_{q}"), ".2f") + "x" for q in peers]
                 best = provs[p].get(self.best_metric)
-                lines.append(f"| {p} | " + " | ".join(cells) + f" | {_f(best, '.2f')}{'x' if best else ''} |")
+                lines.append(row([p, *cells, f"{fmt(best, '.2f')}{'x' if best else ''}"]))
         return lines + ["", self.legend]
 
 
-_COMMON = [("ms/step", "median_ms", ".1f", 1.0), ("spread", "spread", ".1%", 1.0),
-           ("samples/s", "samples_per_s", ".0f", 1.0)]  # fmt: skip
-_TIMES = (f"ms/step: median of rank 0's timed steps (forward + backward + step); spread: IQR / median; samples/s: "
-          f"{MICRO * WORLD} / step time. ")  # fmt: skip
+# the tables' columns, by metric: (header, metric, format, scale)
+COLUMNS = {
+    c[1]: c
+    for c in [
+        ("ms/step", "median_ms", ".1f", 1.0),
+        ("spread", "spread", ".1%", 1.0),
+        ("samples/s", "samples_per_s", ".0f", 1.0),
+        ("model states MiB/rank", "model_state_bytes", ".1f", MiB),
+        ("ZeRO formula MiB", "zero_formula_bytes", ".1f", MiB),
+        ("of formula", "of_zero_formula", ".2f", 1.0),
+        ("bucket buffers MiB", "grad_bucket_bytes", ".1f", MiB),
+        ("grad comm hidden", "grad_comm_hidden", ".0%", 1.0),
+        ("step() ms", "step_call_ms", ".1f", 1.0),
+        ("kernel ms", "kernel_ms", ".1f", 1.0),
+        ("all-gather ms", "allgather_ms", ".1f", 1.0),
+        ("step / (kernel + AG)", "step_over_kernel_allgather", ".2f", 1.0),
+        ("persistent MiB", "persistent_bytes", ".2f", MiB),
+        ("peak gathered params MiB", "peak_gathered_bytes", ".1f", MiB),
+        ("peak RSS growth MiB", "peak_rss_growth_bytes", ".1f", MiB),
+        ("on device MiB", "device_bytes", ".1f", MiB),
+        ("device formula MiB", "device_formula_bytes", ".1f", MiB),
+        ("of formula", "of_device_formula", ".2f", 1.0),
+        ("offloaded MiB", "offloaded_bytes", ".1f", MiB),
+        ("of it staging MiB", "staging_bytes", ".1f", MiB),
+        ("Adam in step() ms", "adam_in_step_ms", ".1f", 1.0),
+        ("kernel GB/s", "kernel_gbps", ".1f", 1.0),
+        ("roofline GB/s", "roofline_gbps", ".1f", 1.0),
+        ("kernel of roofline", "kernel_of_roofline", ".2f", 1.0),
+    ]
+}
+
+
+def _columns(metrics: str, **own: tuple[str, str, float]) -> list[tuple[str, str, str, float]]:
+    """Time, spread and samples/s, then the columns of `metrics` (names apart by spaces): COLUMNS', or a family's
+    own (header, format, scale) for a metric."""
+    names = ["median_ms", "spread", "samples_per_s", *metrics.split()]
+    return [(own[m][0], m, *own[m][1:]) if m in own else COLUMNS[m] for m in names]
+
+
+_TIMES = (
+    f"ms/step: median of rank 0's timed steps (forward + backward + step); spread: IQR / median; samples/s: "
+    f"{MICRO * WORLD} / step time. "
+)
+_STATES = (
+    "Model states: bytes held per rank between steps{where} (fastzero: the sum of memory_breakdown(); peers: the "
+    "distinct storages of their params, grads and optimizer state{how}). "
+)
 _RSS = (
     "Peak RSS growth: the process's peak resident set over the timed steps (VmHWM, reset after warm-up) less its RSS "
     "before the model was made (torch's one-time set-up paid before): everything the training holds at its peak, "
@@ -259,9 +310,9 @@ _RSS = (
 _KERNEL = "kernel: the fastzero CPU Adam kernel alone over fresh fp32 tensors of the rank's shard size. "
 TORCH = ("ddp", "fsdp2", "fsdp2-reshard")
 
-ZERO = Family(
-    NAME="zero",
-    DESCRIPTION=(
+ZERO_JOBS = Jobs(
+    name="zero",
+    description=(
         "ZeRO stages 0-2 training step (2 ranks, Gloo) vs DDP, FSDP2, DeepSpeed; not in --all: 30-45 s of "
         "2-process jobs that fill both cores, and its gated ratio moved up to 14% between quiet quick runs (CI "
         "allows 12%)"
@@ -276,32 +327,23 @@ ZERO = Family(
     best_metric="speedup_vs_fastest_torch",
     best_label="fastest torch",
     gated="fastzero-s2",
-    columns=_COMMON
-    + [
-        ("model states MiB/rank", "model_state_bytes", ".1f", MiB),
-        ("ZeRO formula MiB", "zero_formula_bytes", ".1f", MiB),
-        ("of formula", "of_zero_formula", ".2f", 1.0),
-        ("bucket buffers MiB", "grad_bucket_bytes", ".1f", MiB),
-        ("grad comm hidden", "grad_comm_hidden", ".0%", 1.0),
-        ("step() ms", "step_call_ms", ".1f", 1.0),
-        ("kernel ms", "kernel_ms", ".1f", 1.0),
-        ("all-gather ms", "allgather_ms", ".1f", 1.0),
-        ("step / (kernel + AG)", "step_over_kernel_allgather", ".2f", 1.0),
-    ],
+    columns=_columns(
+        "model_state_bytes zero_formula_bytes of_zero_formula grad_bucket_bytes grad_comm_hidden step_call_ms "
+        "kernel_ms allgather_ms step_over_kernel_allgather",
+    ),
     legend=_TIMES
+    + _STATES.format(where="", how=", DTensor local shards, DeepSpeed's flat buffers")
     + (
-        "Model states: bytes held per rank between steps (fastzero: the sum of memory_breakdown(); peers: the "
-        "distinct storages of their params, grads and optimizer state, DTensor local shards, DeepSpeed's flat "
-        "buffers). ZeRO formula (fp32 Adam, N ranks): 16 psi, 8 psi + 8 psi/N, 4 psi + 12 psi/N; 'of formula' "
+        "ZeRO formula (fp32 Adam, N ranks): 16 psi, 8 psi + 8 psi/N, 4 psi + 12 psi/N; 'of formula' "
         "leaves the bucket buffers out. Grad comm hidden: the share of the gradient collectives' time (launch to "
         "done) before backward ended. step(): engine.step(); kernel: the Adam kernel alone over the rank's shard; "
         "all-gather: the span of the params' all-gathers."
     ),
 )
 
-ZERO3 = Family(
-    NAME="zero3",
-    DESCRIPTION=(
+ZERO3_JOBS = Jobs(
+    name="zero3",
+    description=(
         "ZeRO stage 3 training step (2 ranks, Gloo), prefetch on and off, vs FSDP2 full sharding and DeepSpeed "
         "stage 3; not in --all (2-process jobs that fill both cores)"
     ),
@@ -317,24 +359,15 @@ ZERO3 = Family(
     best_metric="speedup_vs_fastest_peer",
     best_label="faster of FSDP2, DeepSpeed s3",
     gated="fastzero-s3",
-    columns=_COMMON
-    + [
-        ("model states MiB/rank", "model_state_bytes", ".1f", MiB),
-        ("ZeRO-3 formula 16psi/N MiB", "zero_formula_bytes", ".1f", MiB),
-        ("persistent MiB", "persistent_bytes", ".2f", MiB),
-        ("bucket buffers MiB", "grad_bucket_bytes", ".1f", MiB),
-        ("of formula", "of_zero_formula", ".2f", 1.0),
-        ("peak gathered params MiB", "peak_gathered_bytes", ".1f", MiB),
-        ("peak RSS growth MiB", "peak_rss_growth_bytes", ".1f", MiB),
-        ("grad comm hidden", "grad_comm_hidden", ".0%", 1.0),
-        ("step() ms", "step_call_ms", ".1f", 1.0),
-        ("kernel ms", "kernel_ms", ".1f", 1.0),
-    ],
+    columns=_columns(
+        "model_state_bytes zero_formula_bytes persistent_bytes grad_bucket_bytes of_zero_formula "
+        "peak_gathered_bytes peak_rss_growth_bytes grad_comm_hidden step_call_ms kernel_ms",
+        zero_formula_bytes=("ZeRO-3 formula 16psi/N MiB", ".1f", MiB),
+    ),
     legend=_TIMES
+    + _STATES.format(where="", how=": DTensor local shards, DeepSpeed's partitions")
     + (
-        "Model states: bytes held per rank between steps (fastzero: the sum of memory_breakdown(); peers: the "
-        "distinct storages of their params, grads and optimizer state: DTensor local shards, DeepSpeed's "
-        "partitions). ZeRO-3 formula (fp32 Adam, N ranks): 16 psi / N; 'of formula' leaves out the persistent "
+        "ZeRO-3 formula (fp32 Adam, N ranks): 16 psi / N; 'of formula' leaves out the persistent "
         "params (held whole on every rank) and the gradient bucket buffers. Peak gathered params: the stage-3 "
         "runtime's own peak of gathered (or in-flight) partitioned params, engine.fetcher.peak_live elements at "
         "the param dtype (with the default stage3_max_reuse_distance, params gathered in forward stay for backward: "
@@ -345,9 +378,9 @@ ZERO3 = Family(
     ),
 )
 
-OFFLOAD = Family(
-    NAME="offload",
-    DESCRIPTION=(
+OFFLOAD_JOBS = Jobs(
+    name="offload",
+    description=(
         "ZeRO-Offload (optimizer on the CPU) at stages 2 and 3 (2 ranks, Gloo) vs FSDP2 CPU offload and DeepSpeed "
         "offload_optimizer; CPU Adam vs the streaming roofline; not in --all (2-process jobs that fill both cores)"
     ),
@@ -365,32 +398,20 @@ OFFLOAD = Family(
     against={
         "fastzero-s2-offload": ("fsdp2-offload", "deepspeed-s2-offload"),
         "fastzero-s3-offload": ("fsdp2-offload", "deepspeed-s3-offload"),
-    },  # fmt: skip
+    },
     best_metric="speedup_vs_fastest_peer",
     best_label="faster of FSDP2 offload, DeepSpeed offload (same stage)",
     gated="fastzero-s2-offload",
     roofline=True,
-    columns=_COMMON
-    + [
-        ("model states MiB/rank", "model_state_bytes", ".1f", MiB),
-        ("on device MiB", "device_bytes", ".1f", MiB),
-        ("device formula MiB", "device_formula_bytes", ".1f", MiB),
-        ("of formula", "of_device_formula", ".2f", 1.0),
-        ("offloaded MiB", "offloaded_bytes", ".1f", MiB),
-        ("of it staging MiB", "staging_bytes", ".1f", MiB),
-        ("peak RSS growth MiB", "peak_rss_growth_bytes", ".1f", MiB),
-        ("step() ms", "step_call_ms", ".1f", 1.0),
-        ("Adam in step() ms", "adam_in_step_ms", ".1f", 1.0),
-        ("kernel ms", "kernel_ms", ".2f", 1.0),
-        ("kernel GB/s", "kernel_gbps", ".1f", 1.0),
-        ("roofline GB/s", "roofline_gbps", ".1f", 1.0),
-        ("kernel of roofline", "kernel_of_roofline", ".2f", 1.0),
-    ],
+    columns=_columns(
+        "model_state_bytes device_bytes device_formula_bytes of_device_formula offloaded_bytes staging_bytes "
+        "peak_rss_growth_bytes step_call_ms adam_in_step_ms kernel_ms kernel_gbps roofline_gbps kernel_of_roofline",
+        kernel_ms=("kernel ms", ".2f", 1.0),
+    ),
     legend=_TIMES
+    + _STATES.format(where=", device and CPU together", how=", all in CPU memory here")
     + (
-        "Model states: bytes held per rank between steps, device and CPU together (fastzero: the sum of "
-        "memory_breakdown(); peers: the distinct storages of their params, grads and optimizer state, all in CPU "
-        "memory here). fastzero splits them: on device (params, grad shard, bucket buffers) and offloaded "
+        "fastzero splits them: on device (params, grad shard, bucket buffers) and offloaded "
         "(offload_master, offload_optimizer and offload_staging, the CPU buffer the grads come into). Device "
         "formula (fp32, N ranks): 4 psi + 4 psi/N at stage 2, 8 psi/N at stage 3 (grads and params sharded); "
         "'of formula' leaves out the bucket buffers and stage 3's persistent params. " + _RSS + "step(): "
@@ -400,7 +421,4 @@ OFFLOAD = Family(
     ),
 )
 
-# this module is the zero family's (bench/kernels/__init__.py: "zero")
-NAME, DESCRIPTION, IN_ALL = ZERO.NAME, ZERO.DESCRIPTION, ZERO.IN_ALL
-VARIANTS = ZERO.variants
-cases, measure, rows, table = ZERO.cases, ZERO.measure, ZERO.rows, ZERO.table
+ZERO, ZERO3, OFFLOAD = ZERO_JOBS.family, ZERO3_JOBS.family, OFFLOAD_JOBS.family
