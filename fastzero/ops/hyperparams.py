@@ -30,7 +30,7 @@ class Hyperparams:
     default) and may override :meth:`validate` for ranges."""
 
     family: ClassVar[str] = ""
-    labels: ClassVar[dict[str, str]] = {"lr": "learning rate (lr)"}  # how errors name a field, where not its name
+    labels: ClassVar[dict[str, str]] = {"lr": "learning rate"}  # how errors name a field, where not its name
     # The ranges of the fields the optimizer families share: (low, high or None, high excluded).
     ranges: ClassVar[dict[str, tuple[float, float | None, bool]]] = {
         "lr": (0.0, None, False),
@@ -44,6 +44,7 @@ class Hyperparams:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value, label = getattr(self, f.name), self.labels.get(f.name, f.name)
+            label = label if label == f.name else f"{label} ({f.name})"
             kind = f.type if isinstance(f.type, str) else f.type.__name__
             if kind == "bool":
                 if not isinstance(value, bool | int) or isinstance(value, float):
