@@ -71,8 +71,8 @@ assert ok, why
 print('CUDA kernels ready')
 "
   step tests_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/
-  step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_sparse_attention.py \
-    tests/test_onebit_triton.py
+  step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_triton_kernels.py \
+    tests/ops/sparse_attention/test_attention.py tests/ops/onebit/test_triton.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
   step bench_onebit "$PY" -m bench.run --kernel onebit --device cuda --quick \

@@ -25,7 +25,7 @@ from fastzero.ops import onebit
 from fastzero.ops.onebit import cuda as fz_cuda
 from fastzero.ops.reference import onebit as ref
 from fastzero.ops.tolerances import assert_close
-from tests.test_cuda_backend import _driver_present, _nvcc_or_skip
+from tests.ops.test_cuda_backend import _driver_present, _nvcc_or_skip
 
 F32, BF16, F16, U8 = torch.float32, torch.bfloat16, torch.float16, torch.uint8
 

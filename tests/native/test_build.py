@@ -13,8 +13,9 @@ import torch
 
 from fastzero.native import build, loader
 from fastzero.ops import CPUAdam, backend, backends, report
+from tests import paths
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(paths.REPO)
 
 
 def test_native_code_includes_no_pytorch_header():

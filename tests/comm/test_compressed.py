@@ -8,7 +8,7 @@ import torch
 from fastzero.comm.compressed import compressed_allreduce, error_buffers, padded_numel
 from fastzero.ops.reference import onebit
 from tests.dist import run_ranks
-from tests.test_zero_engine import WORKER
+from tests.runtime.test_zero_engine import WORKER
 
 COMPRESSED = WORKER.parent / "compressed.py"
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from tests.dist import run_ranks
-from tests.test_zero_engine import WORKER, assert_params, assert_trained, reference, train
+from tests.runtime.test_zero_engine import WORKER, assert_params, assert_trained, reference, train
 from tests.workers.train_zero import make_model
 
 
@@ -28,7 +28,7 @@ def test_the_step_is_pipelined_in_chunks_with_the_same_result(monkeypatch):
     """Chunks smaller than a tensor: grads in, kernel, params out overlap;
     the result is bit-identical to one piece."""
     import fastzero
-    from tests.test_engine_single import batches, cfg
+    from tests.runtime.test_engine_single import batches, cfg
 
     results = []
     for chunk in (1 << 30, 100):  # one piece, and many

@@ -2,15 +2,15 @@
 against single-process torch.optim.AdamW on the same global batches."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist import run_ranks, start_ranks
+from tests.paths import WORKERS
 from tests.workers.train_zero import MICRO, global_batch, make_model
 
-WORKER = Path(__file__).parent / "workers" / "train_zero.py"
+WORKER = WORKERS / "train_zero.py"
 
 
 def reference(world: int, steps: int = 10, gas: int = 2, lr: float = 1e-2, clip: float = 0.5, skip=()):

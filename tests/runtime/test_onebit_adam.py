@@ -16,7 +16,7 @@ from fastzero.ops import FusedAdam
 from fastzero.ops.reference import onebit as ref
 from fastzero.runtime.onebit_adam import OneBitAdam
 from tests.dist import run_ranks
-from tests.test_zero_engine import WORKER
+from tests.runtime.test_zero_engine import WORKER
 
 TRAIN = WORKER.parent / "train_onebit.py"
 

@@ -12,8 +12,8 @@ from fastzero.checkpoint import consolidate
 from fastzero.runtime import checkpoint_io as ckpt
 from fastzero.runtime.checkpoint_io import CheckpointError
 from fastzero.runtime.groups import STATE_KEYS, PieceState, ZeroGroup
-from tests.test_engine_single import batches, cfg
-from tests.test_zero_engine import assert_params, reference, train
+from tests.runtime.test_engine_single import batches, cfg
+from tests.runtime.test_zero_engine import assert_params, reference, train
 from tests.workers.train_zero import make_model
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import paths
+
+REPO = paths.REPO
 
 
 def test_gpu_check_dry_run(tmp_path):

@@ -10,8 +10,8 @@ import fastzero
 import fastzero.zero
 from fastzero.checkpoint import consolidate
 from fastzero.config import ConfigError
-from tests.test_engine_single import batches, cfg
-from tests.test_zero_engine import assert_params, assert_trained, reference, train
+from tests.runtime.test_engine_single import batches, cfg
+from tests.runtime.test_zero_engine import assert_params, assert_trained, reference, train
 from tests.workers.train_zero import MICRO, global_batch, make_model
 
 NO_PREFETCH = dict(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0, stage3_param_persistence_threshold=100)
