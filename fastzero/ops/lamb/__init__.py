@@ -5,7 +5,7 @@ and the optimizer FusedLamb."""
 from fastzero.ops.lamb.backends import FAMILY
 from fastzero.ops.lamb.cpu import cpu_lamb_step
 from fastzero.ops.lamb.hyperparams import LambHyperparams
-from fastzero.ops.lamb.optimizer import FusedLamb
+from fastzero.ops.lamb.optimizers import FusedLamb
 from fastzero.ops.lamb.reference import lamb_step
 
 __all__ = ["FAMILY", "FusedLamb", "LambHyperparams", "cpu_lamb_step", "lamb_step"]
