@@ -77,7 +77,6 @@ def _adam_block(
     offs,
     mask,
     grad_scale,
-    grad_multiplier,
     decay,
     weight_decay,
     beta1,
@@ -97,7 +96,6 @@ def _adam_block(
     v = _to_fp32(tl.load(v_ptr + offs, mask=mask))
     if HAS_GRAD_SCALE:
         g = tl.div_rn(g, grad_scale)
-    g = g * grad_multiplier
     p, m, v = _adam_math(
         p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, ADAMW
     )
@@ -119,7 +117,6 @@ def _adam_kernel(
     grad_scale_ptr,
     found_inf_ptr,
     lr,
-    grad_multiplier,
     decay,
     weight_decay,
     beta1,
@@ -172,7 +169,6 @@ def _adam_kernel(
                 offs,
                 None,
                 grad_scale,
-                grad_multiplier,
                 decay,
                 weight_decay,
                 beta1,
@@ -197,7 +193,6 @@ def _adam_kernel(
                 offs,
                 offs < end,
                 grad_scale,
-                grad_multiplier,
                 decay,
                 weight_decay,
                 beta1,
@@ -219,7 +214,6 @@ def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, f
     # Host scalars in fp64, rounded once to fp32 as the reference's torch ops round them.
     scalars = (
         hp.lr,
-        hp.grad_multiplier,
         1.0 - hp.lr * hp.weight_decay,
         hp.weight_decay,
         hp.beta1,

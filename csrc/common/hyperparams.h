@@ -32,7 +32,6 @@ typedef struct fz_adam_hyper {
   double weight_decay;
   int32_t bias_correction; /* bc_i = 1 - beta_i^t, else 1 */
   int32_t adamw_mode;      /* decoupled weight decay, else L2 through the grad */
-  double grad_multiplier;
 } fz_adam_hyper;
 
 /* LAMB, DeepSpeed's FusedLamb math (fastzero.ops.lamb.reference.lamb_step). */

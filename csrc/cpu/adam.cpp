@@ -18,7 +18,7 @@ namespace fz {
 // (1 - beta too, as torch does).
 struct AdamConsts {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_rsqrt, decay, l2,
-      inv_grad_scale, grad_multiplier;
+      inv_grad_scale;
 };
 
 namespace {
@@ -37,7 +37,6 @@ AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scal
   k.decay = h.adamw_mode ? float(1.0 - h.lr * h.weight_decay) : 1.0f;
   k.l2 = h.adamw_mode ? 0.0f : float(h.weight_decay);
   k.inv_grad_scale = float(inv_grad_scale);
-  k.grad_multiplier = float(h.grad_multiplier);
   return k;
 }
 

@@ -27,7 +27,6 @@ struct AdamConsts {
   float decay;       // AdamW: 1 - lr * wd; Adam: 1
   float l2;          // Adam: wd; AdamW: 0
   float grad_scale;  // 1 without one: dividing by 1 is exact
-  float grad_multiplier;
 };
 
 // Everything Adam derives from its hyperparameters, in one place.
@@ -46,7 +45,6 @@ __device__ AdamConsts adam_consts(const AdamArgs& a) {
   k.decay = h.adamw_mode ? float(1.0 - h.lr * h.weight_decay) : 1.0f;
   k.l2 = h.adamw_mode ? 0.0f : float(h.weight_decay);
   k.grad_scale = a.grad_scale != nullptr ? *a.grad_scale : 1.0f;
-  k.grad_multiplier = float(h.grad_multiplier);
   return k;
 }
 
@@ -54,7 +52,6 @@ __device__ AdamConsts adam_consts(const AdamArgs& a) {
 // operations (IEEE division and sqrt: no fast math in this library).
 __device__ __forceinline__ void adam_math(float& p, float g, float& m, float& v, const AdamConsts& k) {
   g = g / k.grad_scale;  // fused unscale
-  g = g * k.grad_multiplier;
   // Skipping the no-op terms keeps an inf param inf, instead of 0 * inf.
   if (k.l2 != 0.0f) g = g + k.l2 * p;        // Adam: L2 penalty through the gradient
   if (k.decay != 1.0f) p = p * k.decay;      // AdamW: decoupled decay

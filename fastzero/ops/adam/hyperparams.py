@@ -23,7 +23,6 @@ class AdamHyperparams(Hyperparams):
     weight_decay: float = 0.0
     bias_correction: bool = True
     adamw_mode: bool = True
-    grad_multiplier: float = 1.0
 
     def validate(self) -> None:
         check_range(self.family, self.labels["lr"], self.lr, 0.0)

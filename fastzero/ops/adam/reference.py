@@ -45,7 +45,6 @@ def adam_step(
     copies = param_copies if param_copies is not None else [None] * len(params)
     for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
         g32 = g.float() if grad_scale is None else g.float() / grad_scale
-        g32 = g32 * h.grad_multiplier
         p32 = p.float().clone()
         if h.adamw_mode:
             p32.mul_(1.0 - lr * weight_decay)
