@@ -17,6 +17,7 @@ struct AdamArgs {
   const float* grad_scale;  // nullptr: 1
   const float* found_inf;   // nullptr: never skip
 };
+static_assert(sizeof(AdamArgs) < 300, "beside a chunk table, within the 4 KiB of kernel parameters (common.cuh)");
 
 // Per-step constants, each rounded to fp32 as the reference's Python floats
 // are when they meet an fp32 tensor (1 - beta and -lr / bc1 in fp64 first).

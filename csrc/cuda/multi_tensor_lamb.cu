@@ -29,6 +29,7 @@ struct LambArgs {
   double* partials;         // phase 1 output: 2 per chunk (sum p^2, sum u^2)
   const double* ratio;      // phase 2 input: one per tensor of the call
 };
+static_assert(sizeof(LambArgs) < 300, "beside a chunk table, within the 4 KiB of kernel parameters (common.cuh)");
 
 // Per-step constants, each rounded to fp32 as the reference's Python floats
 // are when they meet an fp32 tensor.
