@@ -72,7 +72,7 @@ def extensions():
         Pybind11Extension(
             f"fastzero.{build['CPU_MODULE']}",
             sources=[f"csrc/cpu/{s}" for s in build["CPU_SOURCES"]],
-            include_dirs=["csrc/cpu"],
+            include_dirs=["csrc/cpu", "csrc/common"],
             extra_compile_args=list(build["CXXFLAGS"]),
             extra_link_args=[f for f in build["CPU_LDFLAGS"] if f != "-shared"],
             cxx_std=17,
@@ -99,7 +99,7 @@ setup(
     ],
     package_dir=MAPPED,
     package_data={
-        "fastzero._csrc": ["cpu/*.cpp", "cpu/*.h", "cpu/*.inc", "cuda/*.cu", "cuda/*.cuh", "cuda/*.h"],
+        "fastzero._csrc": ["cpu/*.cpp", "cpu/*.h", "cpu/*.inc", "cuda/*.cu", "cuda/*.cuh", "cuda/*.h", "common/*.h"],
         "fastzero.bench": ["baselines/*.json", "gpu_check.sh"],
     },
     ext_modules=extensions(),

@@ -63,7 +63,11 @@ def test_every_source_package_is_in_the_wheel(wheel):
 
 def test_native_sources_and_bench_data_ship(wheel):
     names = set(wheel.namelist())
-    for folder, suffixes in (("csrc/cpu", (".cpp", ".h", ".inc")), ("csrc/cuda", (".cu", ".cuh", ".h"))):
+    for folder, suffixes in (
+        ("csrc/cpu", (".cpp", ".h", ".inc")),
+        ("csrc/cuda", (".cu", ".cuh", ".h")),
+        ("csrc/common", (".h",)),
+    ):
         for src in (ROOT / folder).iterdir():
             if src.suffix in suffixes:
                 assert f"fastzero/_{folder}/{src.name}" in names, f"{folder}/{src.name} is not shipped"

@@ -9,6 +9,40 @@
 
 #include "parallel.h"
 
+namespace fz {
+
+// Per-call constants, folded once per call so the kernel does one pass of
+// multiply-adds. adamw_mode: decay = 1 - lr*wd, l2 = 0; Adam (L2): decay = 1,
+// l2 = wd. step_size = lr / bc1, bc2_rsqrt = 1 / sqrt(bc2). Each is computed
+// in double, as the reference's Python floats are, then rounded to float
+// (1 - beta too, as torch does).
+struct AdamConsts {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_rsqrt, decay, l2,
+      inv_grad_scale;
+};
+
+namespace {
+
+AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scale) {
+  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, step) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, step) : 1.0;
+  AdamConsts k;
+  k.beta1 = float(h.beta1);
+  k.beta2 = float(h.beta2);
+  k.one_minus_beta1 = float(1.0 - h.beta1);
+  k.one_minus_beta2 = float(1.0 - h.beta2);
+  k.eps = float(h.eps);
+  k.step_size = float(h.lr / bc1);
+  k.bc2_rsqrt = float(1.0 / std::sqrt(bc2));
+  k.decay = h.adamw_mode ? float(1.0 - h.lr * h.weight_decay) : 1.0f;
+  k.l2 = h.adamw_mode ? 0.0f : float(h.weight_decay);
+  k.inv_grad_scale = float(inv_grad_scale);
+  return k;
+}
+
+}  // namespace
+}  // namespace fz
+
 #define FZ_KERNEL_BODY "adam_kernel.inc"
 #include "isa_regions.inc"
 
@@ -22,14 +56,16 @@ void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<uintptr_t>& g, const std::vector<uintptr_t>& m,
                        const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
                        const std::vector<int64_t>& numel, int p_dtype, int g_dtype,
-                       int s_dtype, int c_dtype, const AdamHyper& h, int num_threads) {
+                       int s_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
+                       double inv_grad_scale, int num_threads) {
+  const AdamConsts k = adam_consts(hyper, step, inv_grad_scale);
   const int64_t ps = dtype_size(p_dtype), gs = dtype_size(g_dtype), ss = dtype_size(s_dtype),
                 cs = dtype_size(c_dtype);
   for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t n) {
     char* c = copy.empty() ? nullptr : reinterpret_cast<char*>(copy[t]) + off * cs;
     fn(reinterpret_cast<char*>(p[t]) + off * ps, reinterpret_cast<const char*>(g[t]) + off * gs,
        reinterpret_cast<char*>(m[t]) + off * ss, reinterpret_cast<char*>(v[t]) + off * ss, c,
-       n, h);
+       n, k);
   });
 }
 

@@ -1,9 +1,16 @@
 // Python bindings of the CPU kernels: plain integers for pointers, sizes and
 // dtype codes. Python (fastzero/ops) checks tensors before calling; the
 // checks here only keep a wrong call from reaching a kernel.
+//
+// An optimizer's hyperparameters arrive whole, as the bytes of its C struct
+// (csrc/common/hyperparams.h; Python: bytes(hp.c_struct())), beside the
+// per-call values that are not hyperparameters (step, grad scale, threads,
+// pointers). This file never names a field: the kernels' own files derive
+// their constants from the struct, so a new hyperparameter changes nothing here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
@@ -25,12 +32,29 @@ fz::Isa checked_isa(int isa) {
   return fz::Isa(isa);
 }
 
+// The struct T from the bytes Python sent, refused unless the sizes agree
+// (a dataclass and csrc/common/hyperparams.h that disagree, or a stale build).
+template <typename T>
+T hyper_from(const py::bytes& bytes, const char* op, const char* type) {
+  char* data = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_AsStringAndSize(bytes.ptr(), &data, &len) != 0) throw py::error_already_set();
+  if (size_t(len) != sizeof(T))
+    throw std::invalid_argument(std::string(op) + ": the hyperparameters are " + std::to_string(len) +
+                                " bytes, but this build's " + type + " is " + std::to_string(sizeof(T)) +
+                                " (the Python dataclass and csrc/common/hyperparams.h disagree, or the "
+                                "extension is stale: rebuild it)");
+  T h;
+  std::memcpy(&h, data, sizeof(T));
+  return h;
+}
+
 void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
           const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
           const std::vector<uintptr_t>& copy, const std::vector<int64_t>& numel, int p_dtype,
-          int g_dtype, int s_dtype, int c_dtype, double beta1, double beta2, double eps,
-          double step_size, double bc2_rsqrt, double decay, double l2, double inv_grad_scale,
-          int num_threads) {
+          int g_dtype, int s_dtype, int c_dtype, const py::bytes& hyper, double step,
+          double inv_grad_scale, int num_threads) {
+  const fz_adam_hyper h = hyper_from<fz_adam_hyper>(hyper, "adam", "fz_adam_hyper");
   const size_t n = numel.size();
   if (p.size() != n || g.size() != n || m.size() != n || v.size() != n ||
       (!copy.empty() && copy.size() != n) || (copy.empty() != (c_dtype == fz::kNone)))
@@ -42,12 +66,9 @@ void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>
     throw std::invalid_argument("adam: no kernel for dtype codes param=" + std::to_string(p_dtype) +
                                 " grad=" + std::to_string(g_dtype) + " state=" +
                                 std::to_string(s_dtype) + " copy=" + std::to_string(c_dtype));
-  const fz::AdamHyper h{float(beta1), float(beta2), float(1.0 - beta1), float(1.0 - beta2),
-                        float(eps), float(step_size), float(bc2_rsqrt), float(decay), float(l2),
-                        float(inv_grad_scale)};
   py::gil_scoped_release release;
-  fz::adam_multi_tensor(fn, p, g, m, v, copy, numel, p_dtype, g_dtype, s_dtype, c_dtype, h,
-                        num_threads);
+  fz::adam_multi_tensor(fn, p, g, m, v, copy, numel, p_dtype, g_dtype, s_dtype, c_dtype, h, step,
+                        inv_grad_scale, num_threads);
 }
 
 void check_lists(const char* what, size_t n, std::initializer_list<size_t> sizes) {
@@ -55,55 +76,49 @@ void check_lists(const char* what, size_t n, std::initializer_list<size_t> sizes
     if (k != n) throw std::invalid_argument(std::string(what) + ": tensor lists differ in length");
 }
 
-fz::LambHyper lamb_hyper(double beta1, double beta2, double eps, bool eps_inside_sqrt,
-                         double weight_decay, double grad_mult) {
-  return {float(beta1), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps),
-          float(weight_decay), float(grad_mult), eps_inside_sqrt};
-}
-
 double lamb_grad_sumsq(int isa, const std::vector<uintptr_t>& g, const std::vector<int64_t>& numel,
-                       int g_dtype, double grad_mult, int num_threads) {
+                       int g_dtype, double inv_grad_scale, int num_threads) {
   check_lists("lamb_grad_sumsq", numel.size(), {g.size()});
   if (g_dtype < fz::kF32 || g_dtype > fz::kBF16)
     throw std::invalid_argument("lamb_grad_sumsq: bad grad dtype code " + std::to_string(g_dtype));
   const fz::Isa checked = checked_isa(isa);
   py::gil_scoped_release release;
-  return fz::lamb_grad_sumsq(checked, g, numel, g_dtype, float(grad_mult), num_threads);
+  return fz::lamb_grad_sumsq(checked, g, numel, g_dtype, inv_grad_scale, num_threads);
 }
 
-std::vector<double> lamb_norms(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
-                               const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
-                               const std::vector<int64_t>& numel, int p_dtype, int g_dtype, int s_dtype,
-                               double beta1, double beta2, double eps, bool eps_inside_sqrt,
-                               double weight_decay, double grad_mult, int num_threads) {
+std::vector<double> lamb_norms(int isa, const py::bytes& hyper, const std::vector<uintptr_t>& p,
+                               const std::vector<uintptr_t>& g, const std::vector<uintptr_t>& m,
+                               const std::vector<uintptr_t>& v, const std::vector<int64_t>& numel, int p_dtype,
+                               int g_dtype, int s_dtype, double inv_grad_scale, double grad_sumsq,
+                               int num_threads) {
+  const fz_lamb_hyper h = hyper_from<fz_lamb_hyper>(hyper, "lamb_norms", "fz_lamb_hyper");
   check_lists("lamb_norms", numel.size(), {p.size(), g.size(), m.size(), v.size()});
   const fz::Isa checked = checked_isa(isa);
-  const fz::LambHyper h = lamb_hyper(beta1, beta2, eps, eps_inside_sqrt, weight_decay, grad_mult);
-  std::vector<double> sums;
+  std::vector<double> ratios;
   bool ok;
   {
     py::gil_scoped_release release;
-    ok = fz::lamb_norms(checked, p, g, m, v, numel, p_dtype, g_dtype, s_dtype, h, num_threads, &sums);
+    ok = fz::lamb_norms(checked, p, g, m, v, numel, p_dtype, g_dtype, s_dtype, h, inv_grad_scale, grad_sumsq,
+                        num_threads, &ratios);
   }
   if (!ok) throw std::invalid_argument("lamb_norms: no kernel for these dtype codes");
-  return sums;
+  return ratios;
 }
 
-void lamb_apply(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& m,
-                const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
-                const std::vector<int64_t>& numel, int p_dtype, int s_dtype, int c_dtype, double eps,
-                bool eps_inside_sqrt, double weight_decay, const std::vector<float>& scale,
-                int num_threads) {
-  check_lists("lamb_apply", numel.size(), {p.size(), m.size(), v.size(), scale.size()});
+void lamb_apply(int isa, const py::bytes& hyper, double step, const std::vector<uintptr_t>& p,
+                const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
+                const std::vector<uintptr_t>& copy, const std::vector<int64_t>& numel, int p_dtype, int s_dtype,
+                int c_dtype, const std::vector<double>& ratios, int num_threads) {
+  const fz_lamb_hyper h = hyper_from<fz_lamb_hyper>(hyper, "lamb_apply", "fz_lamb_hyper");
+  check_lists("lamb_apply", numel.size(), {p.size(), m.size(), v.size(), ratios.size()});
   if (!copy.empty()) check_lists("lamb_apply", numel.size(), {copy.size()});
   if (copy.empty() != (c_dtype == fz::kNone))
     throw std::invalid_argument("lamb_apply: copy list and copy dtype disagree");
   const fz::Isa checked = checked_isa(isa);
-  const fz::LambHyper h = lamb_hyper(0.0, 0.0, eps, eps_inside_sqrt, weight_decay, 1.0);
   bool ok;
   {
     py::gil_scoped_release release;
-    ok = fz::lamb_apply(checked, p, m, v, copy, numel, p_dtype, s_dtype, c_dtype, h, scale, num_threads);
+    ok = fz::lamb_apply(checked, p, m, v, copy, numel, p_dtype, s_dtype, c_dtype, h, step, ratios, num_threads);
   }
   if (!ok) throw std::invalid_argument("lamb_apply: no kernel for these dtype codes");
 }
@@ -160,10 +175,15 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.doc() = "fastzero CPU kernels (SIMD + threads), torch-free";
   m.def("best_isa", [] { return int(fz::best_isa()); },
         "Best instruction set of this CPU: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512.");
-  m.def("adam", &adam, "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h).");
-  m.def("lamb_grad_sumsq", &lamb_grad_sumsq, "LAMB pass 0: sum of squares of the scaled grads.");
-  m.def("lamb_norms", &lamb_norms, "LAMB pass 1: update m, v; per tensor sum p^2 and sum u^2.");
-  m.def("lamb_apply", &lamb_apply, "LAMB pass 2: p += scale * u, and the low-precision copy.");
+  m.def("hyper_sizes", [] {
+    return py::dict(py::arg("adam") = sizeof(fz_adam_hyper), py::arg("lamb") = sizeof(fz_lamb_hyper));
+  }, "sizeof each family's hyperparameter struct in this build (csrc/common/hyperparams.h).");
+  m.def("adam", &adam,
+        "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h); hyper: the bytes of an fz_adam_hyper.");
+  m.def("lamb_grad_sumsq", &lamb_grad_sumsq, "LAMB pass 0: sum of squares of the unscaled grads.");
+  m.def("lamb_norms", &lamb_norms,
+        "LAMB pass 1: update m, v; returns each tensor's trust ratio (hyper: an fz_lamb_hyper's bytes).");
+  m.def("lamb_apply", &lamb_apply, "LAMB pass 2: p -= step_size * ratio * u, and the low-precision copy.");
   m.def("onebit_pack", &onebit_pack,
         "1-bit pack: y = x + error; per-chunk scale, sign bits, new error (see csrc/cpu/onebit.h).");
   m.def("onebit_unpack", &onebit_unpack, "1-bit unpack: signs times scales, per row or averaged over rows.");

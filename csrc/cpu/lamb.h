@@ -10,32 +10,32 @@
 #include <vector>
 
 #include "common.h"
+#include "hyperparams.h"
 
 namespace fz {
 
-// grad_mult = 1 / (grad_scale * clip). eps_inside_sqrt: d = sqrt(v + eps),
-// else d = sqrt(v) + eps. u = m / d + weight_decay * p.
-struct LambHyper {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, grad_mult;
-  bool eps_inside_sqrt;
-};
-
-// Sum over all tensors of (g * grad_mult)^2, in double.
+// Sum over all tensors of (g * inv_grad_scale)^2, in double: the squared
+// global grad norm, for the clip (pass 0, only when hyper.max_grad_norm > 0).
 double lamb_grad_sumsq(Isa isa, const std::vector<uintptr_t>& g, const std::vector<int64_t>& numel,
-                       int g_dtype, float grad_mult, int num_threads);
+                       int g_dtype, double inv_grad_scale, int num_threads);
 
-// Pass 1. Returns false if no kernel is built for the dtypes. Writes, per
-// tensor, sums[2t] = sum p^2 and sums[2t+1] = sum u^2 (deterministic:
-// per-chunk partials added in chunk order).
+// Pass 1: updates m and v from g * inv_grad_scale / clip, where clip =
+// max(1, sqrt(grad_sumsq) / max_grad_norm) when max_grad_norm > 0 (else 1,
+// and grad_sumsq is ignored), and writes the trust ratio of each tensor:
+// clamp(||p|| / ||u||, min_coeff, max_coeff), 1 when a norm is 0 (norms from
+// per-chunk partial sums added in chunk order: deterministic). Returns false
+// if no kernel is built for the dtypes.
 bool lamb_norms(Isa isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
                 const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
                 const std::vector<int64_t>& numel, int p_dtype, int g_dtype, int s_dtype,
-                const LambHyper& h, int num_threads, std::vector<double>* sums);
+                const fz_lamb_hyper& hyper, double inv_grad_scale, double grad_sumsq, int num_threads,
+                std::vector<double>* ratios);
 
-// Pass 2: p += scale[t] * u (scale = -step_size * trust ratio), and the copy.
+// Pass 2: p -= lr * sqrt(bc2) / bc1 * ratio[t] * u (step t >= 1), and the copy.
 bool lamb_apply(Isa isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& m,
                 const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
                 const std::vector<int64_t>& numel, int p_dtype, int s_dtype, int c_dtype,
-                const LambHyper& h, const std::vector<float>& scale, int num_threads);
+                const fz_lamb_hyper& hyper, double step, const std::vector<double>& ratios,
+                int num_threads);
 
 }  // namespace fz

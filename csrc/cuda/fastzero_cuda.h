@@ -7,6 +7,10 @@
  *  - Lists of tensors are host arrays of n device pointers (all of one dtype
  *    per list) and a host array of n element counts; every tensor contiguous.
  *  - Dtype codes are csrc/cpu/common.h's: 0 fp32, 1 fp16, 2 bf16, -1 none.
+ *  - An optimizer's hyperparameters come as one struct, by pointer (host
+ *    memory, read during the call only): fz_adam_hyper, fz_lamb_hyper of
+ *    csrc/common/hyperparams.h (its folder must be on the include path).
+ *    The constants derived from them are computed inside the kernels' .cu.
  *  - Scalars that change every step live on the device and are read there,
  *    so no call ever waits for the GPU: `step` (t >= 1, float32), `grad_scale`
  *    (grads are divided by it; NULL for none) and `found_inf` (when nonzero
@@ -23,6 +27,8 @@
 
 #include <stdint.h>
 
+#include "hyperparams.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -30,8 +36,10 @@ extern "C" {
 #define FZ_API __attribute__((visibility("default")))
 
 /* Bumped whenever an entry point below is added or its signature changes;
- * Python refuses a mismatch. 2: the 1-bit pack and unpack. */
-#define FZ_CUDA_ABI_VERSION 2
+ * Python refuses a mismatch. 2: the 1-bit pack and unpack. 3: the optimizer
+ * hyperparameters as one struct (fz_adam_hyper, fz_lamb_hyper);
+ * fz_cuda_clip_factor became fz_cuda_lamb_clip_factor. */
+#define FZ_CUDA_ABI_VERSION 3
 
 enum {
   FZ_OK = 0,
@@ -49,15 +57,15 @@ FZ_API int64_t fz_cuda_chunk_elems(void);
  * runtime the library was built with, no code for this GPU's architecture). */
 FZ_API int fz_cuda_check_device(void);
 
-/* Adam/AdamW, fastzero/ops/reference/adam.py. p: fp32/fp16/bf16; g: any;
+/* Adam/AdamW, fastzero/ops/adam/reference.py. p: fp32/fp16/bf16; g: any;
  * m, v: fp32 or p's dtype; copy (NULL or one per tensor): fp16/bf16, only
- * for fp32 p. bias corrections 1 - beta^step are computed on the device. */
+ * for fp32 p. hyper: not NULL. bias corrections 1 - beta^step are computed
+ * on the device. */
 FZ_API int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* const* v,
                         void* const* copy, const int64_t* numel, int n, int p_dtype,
-                        int g_dtype, int s_dtype, int c_dtype, const float* step, double lr,
-                        double beta1, double beta2, double eps, double weight_decay,
-                        int bias_correction, int adamw_mode, const float* grad_scale,
-                        const float* found_inf, void* stream);
+                        int g_dtype, int s_dtype, int c_dtype, const fz_adam_hyper* hyper,
+                        const float* step, const float* grad_scale, const float* found_inf,
+                        void* stream);
 
 /* Per-chunk sums of (x / scale)^2 in fp64, into partials[0 .. chunks): the
  * first pass of an L2 norm over a list of tensors of one dtype. */
@@ -65,23 +73,25 @@ FZ_API int fz_cuda_l2norm_partials(void* const* x, const int64_t* numel, int n, 
                                    const float* scale, const float* found_inf,
                                    double* partials, int64_t partials_len, void* stream);
 
-/* Gradient clipping factor from all partials of fz_cuda_l2norm_partials:
- * *clip_out = max(1, sqrt(sum) / max_norm), as float32. */
-FZ_API int fz_cuda_clip_factor(const double* partials, int64_t partials_len, double max_norm,
-                               const float* found_inf, float* clip_out, void* stream);
+/* LAMB's gradient clipping factor from all partials of
+ * fz_cuda_l2norm_partials (the grads over every dtype group):
+ * *clip_out = max(1, sqrt(sum) / hyper->max_grad_norm), as float32. Only
+ * for clipping LAMB (max_grad_norm > 0; else an invalid argument). */
+FZ_API int fz_cuda_lamb_clip_factor(const double* partials, int64_t partials_len,
+                                    const fz_lamb_hyper* hyper, const float* found_inf,
+                                    float* clip_out, void* stream);
 
-/* LAMB (DeepSpeed's FusedLamb math), fastzero/ops/reference/lamb.py, for one
+/* LAMB (DeepSpeed's FusedLamb math), fastzero/ops/lamb/reference.py, for one
  * dtype group of a list: phase 1 updates m and v and sums ||p||^2, ||u||^2
  * per chunk into partials[0 .. 2*chunks); a trust-ratio kernel turns them
  * into r per tensor (ratio_scratch[i], fp64 scratch of n values, and
- * coeffs_out[out_index[i]]); phase 2 recomputes u and updates p (and copy). `clip`: NULL or the device
- * factor of fz_cuda_clip_factor. Dtype rules as fz_cuda_adam's. */
+ * coeffs_out[out_index[i]]); phase 2 recomputes u and updates p (and copy).
+ * hyper: not NULL. `clip`: NULL or the device factor of
+ * fz_cuda_lamb_clip_factor. Dtype rules as fz_cuda_adam's. */
 FZ_API int fz_cuda_lamb(void* const* p, void* const* g, void* const* m, void* const* v,
                         void* const* copy, const int64_t* numel, const int64_t* out_index,
                         int n, int p_dtype, int g_dtype, int s_dtype, int c_dtype,
-                        const float* step, double lr, double beta1, double beta2, double eps,
-                        int eps_inside_sqrt, double weight_decay, int bias_correction,
-                        double max_coeff, double min_coeff, const float* grad_scale,
+                        const fz_lamb_hyper* hyper, const float* step, const float* grad_scale,
                         const float* clip, const float* found_inf, double* partials,
                         int64_t partials_len, double* ratio_scratch, float* coeffs_out,
                         void* stream);

@@ -1,22 +1,23 @@
 // Adam/AdamW over lists of tensors: one pass over memory that unscales the
 // grads, applies weight decay, updates both moments and the param, and
 // writes the optional low-precision param copy. The math is
-// fastzero/ops/reference/adam.py's and lives in adam_math only; the storage
+// fastzero/ops/adam/reference.py's and lives in adam_math only; the storage
 // dtypes instantiate it.
 #include "common.cuh"
 
 namespace fz {
 namespace {
 
-// Raw arguments of one call. step, grad_scale and found_inf point to device
-// scalars, read by the kernel (no host sync).
+// Raw arguments of one call: the hyperparameters by value (kernel
+// parameters); step, grad_scale and found_inf point to device scalars, read
+// by the kernel (no host sync).
 struct AdamArgs {
+  fz_adam_hyper hyper;
   const float* step;
   const float* grad_scale;  // nullptr: 1
   const float* found_inf;   // nullptr: never skip
-  double lr, beta1, beta2, eps, weight_decay;
-  int bias_correction, adamw_mode;
 };
+static_assert(sizeof(AdamArgs) < 300, "beside a chunk table, within the 4 KiB of kernel parameters (common.cuh)");
 
 // Per-step constants, each rounded to fp32 as the reference's Python floats
 // are when they meet an fp32 tensor (1 - beta and -lr / bc1 in fp64 first).
@@ -29,19 +30,21 @@ struct AdamConsts {
   float grad_scale;  // 1 without one: dividing by 1 is exact
 };
 
+// Everything Adam derives from its hyperparameters, in one place.
 __device__ AdamConsts adam_consts(const AdamArgs& a) {
-  const double bc1 = bias_correction(a.beta1, a.step, a.bias_correction);
-  const double bc2 = bias_correction(a.beta2, a.step, a.bias_correction);
+  const fz_adam_hyper& h = a.hyper;
+  const double bc1 = bias_correction(h.beta1, a.step, h.bias_correction);
+  const double bc2 = bias_correction(h.beta2, a.step, h.bias_correction);
   AdamConsts k;
-  k.beta1 = float(a.beta1);
-  k.beta2 = float(a.beta2);
-  k.one_minus_beta1 = float(1.0 - a.beta1);
-  k.one_minus_beta2 = float(1.0 - a.beta2);
-  k.eps = float(a.eps);
-  k.neg_step_size = float(-a.lr / bc1);
+  k.beta1 = float(h.beta1);
+  k.beta2 = float(h.beta2);
+  k.one_minus_beta1 = float(1.0 - h.beta1);
+  k.one_minus_beta2 = float(1.0 - h.beta2);
+  k.eps = float(h.eps);
+  k.neg_step_size = float(-h.lr / bc1);
   k.sqrt_bc2 = float(sqrt(bc2));
-  k.decay = a.adamw_mode ? float(1.0 - a.lr * a.weight_decay) : 1.0f;
-  k.l2 = a.adamw_mode ? 0.0f : float(a.weight_decay);
+  k.decay = h.adamw_mode ? float(1.0 - h.lr * h.weight_decay) : 1.0f;
+  k.l2 = h.adamw_mode ? 0.0f : float(h.weight_decay);
   k.grad_scale = a.grad_scale != nullptr ? *a.grad_scale : 1.0f;
   return k;
 }
@@ -111,13 +114,14 @@ int launch_adam(void* const* const (&lists)[5], const int64_t* numel, int n, con
 
 extern "C" int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* const* v,
                             void* const* copy, const int64_t* numel, int n, int p_dtype, int g_dtype,
-                            int s_dtype, int c_dtype, const float* step, double lr, double beta1,
-                            double beta2, double eps, double weight_decay, int bias_correction,
-                            int adamw_mode, const float* grad_scale, const float* found_inf,
-                            void* stream) {
+                            int s_dtype, int c_dtype, const fz_adam_hyper* hyper, const float* step,
+                            const float* grad_scale, const float* found_inf, void* stream) {
   using namespace fz;
   constexpr const char* fn = "fz_cuda_adam";
   return guarded(fn, [&]() -> int {
+    if (hyper == nullptr)
+      return set_error(FZ_ERR_INVALID_ARGUMENT,
+                       std::string(fn) + ": hyper is null (pass the hyperparameters as an fz_adam_hyper)");
     if (n < 0) return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": negative tensor count");
     if (n == 0) return FZ_OK;
     if (step == nullptr)
@@ -130,8 +134,7 @@ extern "C" int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void
     if (!rc) rc = check_list(fn, "exp_avg_sqs", v, numel, n, s_dtype);
     if (!rc && c_dtype != kNone) rc = check_list(fn, "param_copies", copy, numel, n, c_dtype);
     if (rc) return rc;
-    const AdamArgs args{step, grad_scale, found_inf, lr, beta1, beta2, eps, weight_decay, bias_correction,
-                        adamw_mode};
+    const AdamArgs args{*hyper, step, grad_scale, found_inf};
     void* const* const lists[5] = {p, g, m, v, c_dtype == kNone ? nullptr : copy};
     const auto s = static_cast<cudaStream_t>(stream);
     (void)cudaGetLastError();  // forget a failure of an earlier call on this thread

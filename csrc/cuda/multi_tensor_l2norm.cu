@@ -1,15 +1,14 @@
 // The L2 norm of a list of tensors, in two deterministic passes: per-chunk
 // sums of squares into a caller's fp64 buffer (one launch per dtype), then
-// one block that adds them all in a fixed order. LAMB's global gradient
-// clipping uses it: clip = max(1, ||g / grad_scale|| / max_grad_norm).
+// one block that adds them all in a fixed order (the second pass is the
+// caller's: LAMB's global gradient clipping, fz_cuda_lamb_clip_factor in
+// multi_tensor_lamb.cu, clip = max(1, ||g / grad_scale|| / max_grad_norm)).
 #include <cmath>
 
 #include "common.cuh"
 
 namespace fz {
 namespace {
-
-constexpr int kFinalThreads = 1024;
 
 // The squared norm's contribution of one element: x / scale in fp32 (the
 // reference's unscaled grad), squared and summed in fp64 (as its .double()).
@@ -36,18 +35,6 @@ __global__ void __launch_bounds__(kBlockSize)
   });
   block_sum<kBlockSize>(sum);
   if (threadIdx.x == 0) partials[meta.first_chunk + blockIdx.x] = sum[0];
-}
-
-__global__ void __launch_bounds__(kFinalThreads)
-    clip_factor_kernel(const double* partials, int64_t len, double max_norm, const float* found_inf, float* clip) {
-  if (found_inf != nullptr && *found_inf != 0.0f) return;
-  double sum[1] = {0.0};
-  for (int64_t i = threadIdx.x; i < len; i += kFinalThreads) sum[0] += partials[i];
-  block_sum<kFinalThreads>(sum);
-  if (threadIdx.x == 0) {
-    const double norm = sqrt(sum[0]);
-    *clip = float(norm > max_norm ? norm / max_norm : 1.0);
-  }
 }
 
 }  // namespace
@@ -82,21 +69,5 @@ extern "C" int fz_cuda_l2norm_partials(void* const* x, const int64_t* numel, int
     if (!known)
       return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": unsupported dtype " + dtype_name(dtype));
     return rc;
-  });
-}
-
-extern "C" int fz_cuda_clip_factor(const double* partials, int64_t partials_len, double max_norm,
-                                   const float* found_inf, float* clip_out, void* stream) {
-  using namespace fz;
-  constexpr const char* fn = "fz_cuda_clip_factor";
-  return guarded(fn, [&]() -> int {
-    if (clip_out == nullptr || partials_len < 0 || (partials_len > 0 && partials == nullptr))
-      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": null buffer or negative length");
-    if (!(max_norm > 0.0))
-      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": max_norm must be > 0");
-    (void)cudaGetLastError();
-    clip_factor_kernel<<<1, kFinalThreads, 0, static_cast<cudaStream_t>(stream)>>>(partials, partials_len, max_norm,
-                                                                                   found_inf, clip_out);
-    return check_launch("clip_factor_kernel");
   });
 }

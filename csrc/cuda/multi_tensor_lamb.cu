@@ -1,11 +1,15 @@
-// LAMB (DeepSpeed's FusedLamb math, fastzero/ops/reference/lamb.py) over
+// LAMB (DeepSpeed's FusedLamb math, fastzero/ops/lamb/reference.py) over
 // lists of tensors, without storing the update direction u:
+//   clip     (when max_grad_norm > 0) the global grad norm's clip factor, from
+//            the per-chunk partials of fz_cuda_l2norm_partials
 //   phase 1  m, v <- moments of the (unscaled, clipped) grad; per chunk, the
 //            sums of p^2 and u^2 into an fp64 scratch buffer
 //   ratio    per tensor, r = clamp(||p|| / ||u||) (1 when a norm is 0), from
 //            its chunks' sums in a fixed order: deterministic
 //   phase 2  u recomputed from p and the stored m, v; p -= lr * sqrt(bc2) / bc1 * r * u
-// The math lives in lamb_math only; the storage dtypes instantiate it. With
+// The math lives in lamb_math only, and what LAMB derives from its
+// hyperparameters (fz_lamb_hyper, passed by value to every kernel) in the
+// __device__ functions below it; the storage dtypes instantiate it. With
 // bf16/fp16 states, both phases see m and v as stored (rounded) where the
 // reference uses them unrounded: a difference far below the rounding of the
 // params of the same dtype that such states go with.
@@ -17,15 +21,15 @@ namespace fz {
 namespace {
 
 struct LambArgs {
+  fz_lamb_hyper hyper;
   const float* step;
   const float* grad_scale;  // nullptr: 1
   const float* clip;        // nullptr: 1 (no gradient clipping)
   const float* found_inf;   // nullptr: never skip
-  double lr, beta1, beta2, eps, weight_decay;
-  int eps_inside_sqrt, bias_correction;
-  double* partials;     // phase 1 output: 2 per chunk (sum p^2, sum u^2)
-  const double* ratio;  // phase 2 input: one per tensor of the call
+  double* partials;         // phase 1 output: 2 per chunk (sum p^2, sum u^2)
+  const double* ratio;      // phase 2 input: one per tensor of the call
 };
+static_assert(sizeof(LambArgs) < 300, "beside a chunk table, within the 4 KiB of kernel parameters (common.cuh)");
 
 // Per-step constants, each rounded to fp32 as the reference's Python floats
 // are when they meet an fp32 tensor.
@@ -36,17 +40,37 @@ struct LambConsts {
 };
 
 __device__ LambConsts lamb_consts(const LambArgs& a) {
+  const fz_lamb_hyper& h = a.hyper;
   LambConsts k;
-  k.beta1 = float(a.beta1);
-  k.beta2 = float(a.beta2);
-  k.one_minus_beta1 = float(1.0 - a.beta1);
-  k.one_minus_beta2 = float(1.0 - a.beta2);
-  k.eps = float(a.eps);
-  k.weight_decay = float(a.weight_decay);
+  k.beta1 = float(h.beta1);
+  k.beta2 = float(h.beta2);
+  k.one_minus_beta1 = float(1.0 - h.beta1);
+  k.one_minus_beta2 = float(1.0 - h.beta2);
+  k.eps = float(h.eps);
+  k.weight_decay = float(h.weight_decay);
   k.grad_scale = a.grad_scale != nullptr ? *a.grad_scale : 1.0f;
   k.clip = a.clip != nullptr ? *a.clip : 1.0f;
-  k.eps_inside_sqrt = a.eps_inside_sqrt;
+  k.eps_inside_sqrt = h.eps_inside_sqrt;
   return k;
+}
+
+// The global-norm clip factor: max(1, ||g|| / max_grad_norm), in fp64.
+__device__ double lamb_clip(const fz_lamb_hyper& h, double grad_sumsq) {
+  const double norm = sqrt(grad_sumsq);
+  return norm > h.max_grad_norm ? norm / h.max_grad_norm : 1.0;
+}
+
+// The trust ratio clamp(||p|| / ||u||, min_coeff, max_coeff), 1 when a norm is 0.
+__device__ double lamb_trust_ratio(const fz_lamb_hyper& h, double p_sumsq, double u_sumsq) {
+  const double p_norm = sqrt(p_sumsq), u_norm = sqrt(u_sumsq);
+  return p_norm == 0.0 || u_norm == 0.0 ? 1.0 : fmin(fmax(p_norm / u_norm, h.min_coeff), h.max_coeff);
+}
+
+// lr * sqrt(bc2) / bc1 at the device's step counter.
+__device__ double lamb_step_size(const fz_lamb_hyper& h, const float* step) {
+  const double bc1 = bias_correction(h.beta1, step, h.bias_correction);
+  const double bc2 = bias_correction(h.beta2, step, h.bias_correction);
+  return h.lr * sqrt(bc2) / bc1;
 }
 
 // One element of LAMB, fp32, in the reference's order of operations. Phase 1
@@ -121,8 +145,8 @@ struct RatioTable {
 static_assert(sizeof(RatioTable) < 3800, "fits in the 4 KiB of kernel parameters");
 
 __global__ void __launch_bounds__(kRatioThreads)
-    lamb_trust_ratio_kernel(RatioTable table, const double* partials, double max_coeff, double min_coeff,
-                            const float* found_inf, double* ratio, float* coeffs_out) {
+    lamb_trust_ratio_kernel(RatioTable table, const double* partials, fz_lamb_hyper hyper, const float* found_inf,
+                            double* ratio, float* coeffs_out) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;  // coeffs_out keeps its values
   const int t = blockIdx.x;
   double sums[2] = {0.0, 0.0};
@@ -132,9 +156,7 @@ __global__ void __launch_bounds__(kRatioThreads)
   }
   block_sum<kRatioThreads>(sums);
   if (threadIdx.x == 0) {
-    const double p_norm = sqrt(sums[0]), u_norm = sqrt(sums[1]);
-    const double r =
-        p_norm == 0.0 || u_norm == 0.0 ? 1.0 : fmin(fmax(p_norm / u_norm, min_coeff), max_coeff);
+    const double r = lamb_trust_ratio(hyper, sums[0], sums[1]);
     ratio[table.first_tensor + t] = r;
     coeffs_out[table.out_index[t]] = float(r);
   }
@@ -149,10 +171,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_phase2_kernel(TensorListMeta<
   __shared__ float shared_alpha;
   if (threadIdx.x == 0) {
     shared = lamb_consts(args);
-    const double bc1 = bias_correction(args.beta1, args.step, args.bias_correction);
-    const double bc2 = bias_correction(args.beta2, args.step, args.bias_correction);
-    const double step_size = args.lr * sqrt(bc2) / bc1;
-    shared_alpha = float(-step_size * args.ratio[meta.first_tensor + c.tensor]);
+    shared_alpha = float(-lamb_step_size(args.hyper, args.step) * args.ratio[meta.first_tensor + c.tensor]);
   }
   __syncthreads();
   const LambConsts k = shared;
@@ -182,6 +201,20 @@ __global__ void __launch_bounds__(kBlockSize) lamb_phase2_kernel(TensorListMeta<
   });
 }
 
+// The clip factor from every partial of fz_cuda_l2norm_partials, added by one
+// block in a fixed order (deterministic).
+constexpr int kClipThreads = 1024;
+
+__global__ void __launch_bounds__(kClipThreads)
+    lamb_clip_factor_kernel(const double* partials, int64_t len, fz_lamb_hyper hyper, const float* found_inf,
+                            float* clip) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  double sum[1] = {0.0};
+  for (int64_t i = threadIdx.x; i < len; i += kClipThreads) sum[0] += partials[i];
+  block_sum<kClipThreads>(sum);
+  if (threadIdx.x == 0) *clip = float(lamb_clip(hyper, sum[0]));
+}
+
 struct LambCall {
   void* const* p;
   void* const* g;
@@ -191,7 +224,6 @@ struct LambCall {
   const int64_t* numel;
   const int64_t* out_index;
   int n;
-  double max_coeff, min_coeff;
   double* ratio;
   float* coeffs_out;
   cudaStream_t stream;
@@ -218,7 +250,7 @@ int launch_lamb(const LambCall& call, LambArgs args) {
     }
     table.chunk_begin[count] = chunk;
     lamb_trust_ratio_kernel<<<count, kRatioThreads, 0, call.stream>>>(
-        table, args.partials, call.max_coeff, call.min_coeff, args.found_inf, call.ratio, call.coeffs_out);
+        table, args.partials, args.hyper, args.found_inf, call.ratio, call.coeffs_out);
     if ((rc = check_launch("lamb_trust_ratio_kernel"))) return rc;
   }
 
@@ -233,19 +265,37 @@ int launch_lamb(const LambCall& call, LambArgs args) {
 }  // namespace
 }  // namespace fz
 
+extern "C" int fz_cuda_lamb_clip_factor(const double* partials, int64_t partials_len, const fz_lamb_hyper* hyper,
+                                        const float* found_inf, float* clip_out, void* stream) {
+  using namespace fz;
+  constexpr const char* fn = "fz_cuda_lamb_clip_factor";
+  return guarded(fn, [&]() -> int {
+    auto invalid = [&](const std::string& why) {
+      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": " + why);
+    };
+    if (hyper == nullptr) return invalid("hyper is null (pass the hyperparameters as an fz_lamb_hyper)");
+    if (clip_out == nullptr || partials_len < 0 || (partials_len > 0 && partials == nullptr))
+      return invalid("null buffer or negative length");
+    if (!(hyper->max_grad_norm > 0.0)) return invalid("max_grad_norm must be > 0 (0: no clipping, no clip factor)");
+    (void)cudaGetLastError();
+    lamb_clip_factor_kernel<<<1, kClipThreads, 0, static_cast<cudaStream_t>(stream)>>>(partials, partials_len,
+                                                                                     *hyper, found_inf, clip_out);
+    return check_launch("lamb_clip_factor_kernel");
+  });
+}
+
 extern "C" int fz_cuda_lamb(void* const* p, void* const* g, void* const* m, void* const* v, void* const* copy,
                             const int64_t* numel, const int64_t* out_index, int n, int p_dtype, int g_dtype,
-                            int s_dtype, int c_dtype, const float* step, double lr, double beta1, double beta2,
-                            double eps, int eps_inside_sqrt, double weight_decay, int bias_correction,
-                            double max_coeff, double min_coeff, const float* grad_scale, const float* clip,
-                            const float* found_inf, double* partials, int64_t partials_len,
-                            double* ratio_scratch, float* coeffs_out, void* stream) {
+                            int s_dtype, int c_dtype, const fz_lamb_hyper* hyper, const float* step,
+                            const float* grad_scale, const float* clip, const float* found_inf, double* partials,
+                            int64_t partials_len, double* ratio_scratch, float* coeffs_out, void* stream) {
   using namespace fz;
   constexpr const char* fn = "fz_cuda_lamb";
   return guarded(fn, [&]() -> int {
     auto invalid = [&](const std::string& why) {
       return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": " + why);
     };
+    if (hyper == nullptr) return invalid("hyper is null (pass the hyperparameters as an fz_lamb_hyper)");
     if (n < 0) return invalid("negative tensor count");
     if (n == 0) return FZ_OK;
     if (step == nullptr) return invalid("step is null (pass the device step counter)");
@@ -266,10 +316,9 @@ extern "C" int fz_cuda_lamb(void* const* p, void* const* g, void* const* m, void
     if (chunks > 0 && (partials == nullptr || partials_len < 2 * chunks))
       return invalid("the partials buffer holds " + std::to_string(partials_len) + " values, " +
                      std::to_string(2 * chunks) + " needed");
-    const LambArgs args{step, grad_scale, clip, found_inf, lr, beta1, beta2, eps, weight_decay, eps_inside_sqrt,
-                        bias_correction, partials, nullptr};
-    const LambCall call{p, g, m, v, c_dtype == kNone ? nullptr : copy, numel, out_index, n, max_coeff, min_coeff,
-                        ratio_scratch, coeffs_out, static_cast<cudaStream_t>(stream)};
+    const LambArgs args{*hyper, step, grad_scale, clip, found_inf, partials, nullptr};
+    const LambCall call{p, g, m, v, c_dtype == kNone ? nullptr : copy, numel, out_index, n, ratio_scratch, coeffs_out,
+                        static_cast<cudaStream_t>(stream)};
     (void)cudaGetLastError();  // forget a failure of an earlier call on this thread
     return dispatch_optimizer(fn, p_dtype, g_dtype, s_dtype, c_dtype, [&](auto pt, auto gt, auto st, auto ct) {
       return launch_lamb<typename decltype(pt)::type, typename decltype(gt)::type, typename decltype(st)::type,

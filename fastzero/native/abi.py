@@ -6,7 +6,10 @@ The C side is csrc/cpu/common.h (``enum DType``, ``enum Isa``),
 csrc/cuda/common.cuh (``enum DType``) and csrc/cuda/fastzero_cuda.h
 (``FZ_CUDA_ABI_VERSION`` and the ``fz_cuda_*`` prototypes);
 tests/test_native_abi.py parses those headers and checks they agree with
-this file.
+this file. The optimizers' hyperparameter structs (csrc/common/hyperparams.h)
+are laid out by each family's dataclass (fastzero.ops.hyperparams), not
+here, and cross as one pointer (``c_void_p``: pass ``ctypes.byref`` of the
+struct); tests/test_hyperparams_abi.py checks that layout.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ NO_DTYPE = -1  # kNone: an absent tensor (no low-precision param copy)
 ISA_NAMES = ("scalar", "avx2", "avx512")
 
 # FZ_CUDA_ABI_VERSION: a library speaking another version is refused.
-CUDA_ABI_VERSION = 2
+CUDA_ABI_VERSION = 3
 
 _VP, _I, _I64, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
 _PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
@@ -34,23 +37,15 @@ CUDA_SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "fz_cuda_last_error": (ctypes.c_char_p, []),
     "fz_cuda_chunk_elems": (_I64, []),
     "fz_cuda_check_device": (_I, []),
-    # p, g, m, v, copy, numel, n, p/g/s/c dtype, step, lr, beta1, beta2, eps, wd, bias_correction, adamw_mode,
-    # grad_scale, found_inf, stream
-    "fz_cuda_adam": (
-        _I,
-        [_PTRS] * 5 + [_I64S] + [_I] * 5 + [_VP] + [_D] * 5 + [_I] * 2 + [_VP] * 3,
-    ),
+    # p, g, m, v, copy, numel, n, p/g/s/c dtype, hyper (fz_adam_hyper*), step, grad_scale, found_inf, stream
+    "fz_cuda_adam": (_I, [_PTRS] * 5 + [_I64S] + [_I] * 5 + [_VP] * 5),
     # x, numel, n, dtype, scale, found_inf, partials, partials_len, stream
     "fz_cuda_l2norm_partials": (_I, [_PTRS, _I64S, _I, _I, _VP, _VP, _VP, _I64, _VP]),
-    # partials, partials_len, max_norm, found_inf, clip_out, stream
-    "fz_cuda_clip_factor": (_I, [_VP, _I64, _D, _VP, _VP, _VP]),
-    # p, g, m, v, copy, numel, out_index, n, p/g/s/c dtype, step, lr, beta1, beta2, eps, eps_inside_sqrt, wd,
-    # bias_correction, max_coeff, min_coeff, grad_scale, clip, found_inf, partials, partials_len, ratio_scratch,
-    # coeffs_out, stream
-    "fz_cuda_lamb": (
-        _I,
-        [_PTRS] * 5 + [_I64S] * 2 + [_I] * 5 + [_VP] + [_D] * 4 + [_I, _D, _I, _D, _D] + [_VP] * 4 + [_I64] + [_VP] * 3,
-    ),
+    # partials, partials_len, hyper (fz_lamb_hyper*), found_inf, clip_out, stream
+    "fz_cuda_lamb_clip_factor": (_I, [_VP, _I64, _VP, _VP, _VP, _VP]),
+    # p, g, m, v, copy, numel, out_index, n, p/g/s/c dtype, hyper (fz_lamb_hyper*), step, grad_scale, clip,
+    # found_inf, partials, partials_len, ratio_scratch, coeffs_out, stream
+    "fz_cuda_lamb": (_I, [_PTRS] * 5 + [_I64S] * 2 + [_I] * 5 + [_VP] * 6 + [_I64] + [_VP] * 3),
     # x, x_dtype, error, bits, scales, numel, chunks, partials, partials_len, stream
     "fz_cuda_onebit_pack": (_I, [_VP, _I, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP]),
     # bits, scales, out, rows, row_bytes, average, stream

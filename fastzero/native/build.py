@@ -54,8 +54,22 @@ def source_dir(kind: str, first_source: str) -> Path:
     for candidate in candidates:
         if (candidate / first_source).is_file():
             return candidate
-    what = "C++ sources of fastzero's CPU kernels" if kind == "cpu" else "CUDA sources of fastzero"
+    what = {
+        "cpu": "C++ sources of fastzero's CPU kernels",
+        "cuda": "CUDA sources of fastzero",
+        "common": "C headers shared by fastzero's CPU and CUDA kernels",
+    }[kind]
     raise BuildError(f"the {what} are missing (looked in {candidates[0]} and {candidates[1]}); reinstall fastzero")
+
+
+# csrc/common: plain C headers both builds include (the hyperparameter structs
+# of the optimizer families, csrc/common/hyperparams.h).
+COMMON_HEADERS = ("hyperparams.h",)
+
+
+def common_source_dir() -> Path:
+    """csrc/common of a source checkout, else the copy installed with fastzero."""
+    return source_dir("common", COMMON_HEADERS[0])
 
 
 def cache_dir() -> Path:
@@ -64,14 +78,15 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def input_hash(src: Path, suffixes: Iterable[str], settings: Iterable[str]) -> str:
-    """A hash of every file of ``src`` with one of ``suffixes`` (name and
-    contents) and of ``settings`` (compiler, flags, versions): the name of
-    one build in the cache."""
+def input_hash(srcs: Iterable[Path], suffixes: Iterable[str], settings: Iterable[str]) -> str:
+    """A hash of every file of the folders ``srcs`` with one of ``suffixes``
+    (folder and file name, and contents) and of ``settings`` (compiler,
+    flags, versions): the name of one build in the cache."""
     digest = hashlib.sha256()
     suffixes = tuple(suffixes)
-    for name in sorted(p.name for p in src.iterdir() if p.suffix in suffixes):
-        digest.update(name.encode() + b"\0" + (src / name).read_bytes() + b"\0")
+    for src in srcs:
+        for name in sorted(p.name for p in src.iterdir() if p.suffix in suffixes):
+            digest.update(f"{src.name}/{name}".encode() + b"\0" + (src / name).read_bytes() + b"\0")
     digest.update("\0".join(settings).encode())
     return digest.hexdigest()[:16]
 
@@ -168,12 +183,12 @@ def find_ninja() -> str:
 
 
 def cpu_includes() -> list[str]:
-    """pybind11's and Python's include directories."""
+    """pybind11's and Python's include directories, and csrc/common."""
     try:
         import pybind11
     except ImportError as exc:
         raise BuildError("pybind11 is not installed; install it (pip install pybind11)") from exc
-    return [pybind11.get_include(), sysconfig.get_paths()["include"]]
+    return [pybind11.get_include(), sysconfig.get_paths()["include"], str(common_source_dir())]
 
 
 def _ninja_file(src: Path, cxx: str, includes: list[str], target: str) -> str:
@@ -194,6 +209,13 @@ def _ninja_file(src: Path, cxx: str, includes: list[str], target: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cpu_build_key(cxx: str, includes: list[str]) -> str:
+    """A hash of every source and header (csrc/cpu and csrc/common), the
+    flags, the compiler and Python."""
+    settings = (cxx, *CXXFLAGS, *CPU_LDFLAGS, *includes, sys.version)
+    return input_hash((cpu_source_dir(), common_source_dir()), (".cpp", *CPU_HEADER_SUFFIXES), settings)
+
+
 def build_cpu() -> Path:
     """Builds the CPU extension with ninja into the cache (once per version of
     the sources, flags, compiler and Python) and returns its path. Raises
@@ -202,7 +224,7 @@ def build_cpu() -> Path:
     cxx = find_cxx()
     includes = cpu_includes()
     filename = f"{CPU_MODULE}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    key = input_hash(src, (".cpp", *CPU_HEADER_SUFFIXES), (cxx, *CXXFLAGS, *CPU_LDFLAGS, *includes, sys.version))
+    key = cpu_build_key(cxx, includes)
 
     def make(work: Path) -> Path:
         (work / "build.ninja").write_text(_ninja_file(src, cxx, includes, filename))
@@ -252,6 +274,12 @@ def cuda_source_dir() -> Path:
     return source_dir("cuda", CUDA_SOURCES[0])
 
 
+def cuda_includes() -> list[str]:
+    """The include directories of the CUDA sources (and of a program that
+    includes fastzero_cuda.h): csrc/cuda and csrc/common."""
+    return [str(cuda_source_dir()), str(common_source_dir())]
+
+
 def find_nvcc() -> str:
     """The nvcc to use: $NVCC, else $CUDA_HOME/$CUDA_PATH's, else the PATH's,
     else /usr/local/cuda's. Raises BuildError naming where it looked."""
@@ -289,7 +317,8 @@ def compile_source(
     nvcc = nvcc or find_nvcc()
     src = Path(src)
     flags = (*NVCCFLAGS, *(WERROR_FLAGS if werror else ()))
-    cmd = [nvcc, *flags, *gencode_flags(archs), f"-I{cuda_source_dir()}", "-c", str(src), "-o", str(obj)]
+    includes = [f"-I{d}" for d in cuda_includes()]
+    cmd = [nvcc, *flags, *gencode_flags(archs), *includes, "-c", str(src), "-o", str(obj)]
     run_tool(cmd, f"compiling {src.name} for sm_{', sm_'.join(archs)}")
     return Path(obj)
 
@@ -346,9 +375,10 @@ def link(objects: list[Path], target: Path | str, nvcc: str | None = None) -> Pa
 
 
 def cuda_build_key(nvcc: str, archs=CUDA_ARCHS) -> str:
-    """A hash of every source and header, the flags and the toolkit version."""
+    """A hash of every source and header (csrc/cuda and csrc/common), the
+    flags and the toolkit version."""
     settings = (*NVCCFLAGS, *CUDA_LDFLAGS, CUDA_EXPORTS, *gencode_flags(archs), nvcc_version(nvcc))
-    return input_hash(cuda_source_dir(), (".cu", *CUDA_HEADER_SUFFIXES), settings)
+    return input_hash((cuda_source_dir(), common_source_dir()), (".cu", *CUDA_HEADER_SUFFIXES), settings)
 
 
 def build_cuda(archs=CUDA_ARCHS) -> Path:

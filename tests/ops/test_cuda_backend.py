@@ -19,7 +19,9 @@ import torch
 
 from fastzero.native import abi, build, loader
 from fastzero.ops import reference
+from fastzero.ops.adam import AdamHyperparams
 from fastzero.ops.adam import cuda as adam_cuda
+from fastzero.ops.lamb import LambHyperparams
 from fastzero.ops.lamb import cuda as lamb_cuda
 from fastzero.ops.tolerances import assert_close
 from tests.kernel_checks import check_all, clone_all
@@ -190,7 +192,8 @@ def test_chunk_tables_cover_every_chunk_once(tmp_path):
     nvcc = _nvcc_or_skip()
     (tmp_path / "tables.cu").write_text(TABLES_CHECK)
     exe = tmp_path / "tables"
-    cmd = [nvcc, "-std=c++17", f"-I{build.cuda_source_dir()}", str(tmp_path / "tables.cu"), "-o", str(exe)]
+    includes = [f"-I{d}" for d in build.cuda_includes()]
+    cmd = [nvcc, "-std=c++17", *includes, str(tmp_path / "tables.cu"), "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True)
     assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout[-3000:]
@@ -206,24 +209,39 @@ def test_bad_arguments_are_error_codes_with_messages(cuda_library):
     _, lib = cuda_library
     ptrs, numel = _fake_list(2), (ctypes.c_int64 * 2)(5, 70000)
     args = [ptrs] * 4 + [None, numel, 2]
-    hyper = [1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1, None, None, None]
+    adam_hp = ctypes.byref(AdamHyperparams().c_struct())
+    rest = [None, None, None]  # grad_scale, found_inf, stream
     # fp32 params with bf16 states: not a supported combination
-    assert lib.fz_cuda_adam(*args, 0, 0, 2, -1, 1 << 20, *hyper) == 1
+    assert lib.fz_cuda_adam(*args, 0, 0, 2, -1, adam_hp, 1 << 20, *rest) == 1
     assert b"unsupported dtypes" in lib.fz_cuda_last_error()
     # no step counter
-    assert lib.fz_cuda_adam(*args, 0, 0, 0, -1, None, *hyper) == 1
+    assert lib.fz_cuda_adam(*args, 0, 0, 0, -1, adam_hp, None, *rest) == 1
     assert b"step is null" in lib.fz_cuda_last_error()
+    # no hyperparameters, even with nothing to do
+    assert lib.fz_cuda_adam(*args, 0, 0, 0, -1, None, 1 << 20, *rest) == 1
+    assert b"hyper is null" in lib.fz_cuda_last_error()
+    assert lib.fz_cuda_adam(*args[:6], 0, 0, 0, 0, -1, None, 1 << 20, *rest) == 1
+    lamb_args = [ptrs] * 4 + [None, numel, (ctypes.c_int64 * 2)(0, 1), 2, 0, 0, 0, -1]
+    lamb_rest = [1 << 20, None, None, None, 1 << 20, 1 << 20, 1 << 20, 1 << 20, None]
+    assert lib.fz_cuda_lamb(*lamb_args, None, *lamb_rest) == 1
+    assert b"fz_cuda_lamb: hyper is null" in lib.fz_cuda_last_error()
+    assert lib.fz_cuda_lamb_clip_factor(1 << 20, 1, None, None, 1 << 20, None) == 1
+    assert b"hyper is null" in lib.fz_cuda_last_error()
+    # the clip factor of LAMB without clipping
+    no_clip = ctypes.byref(LambHyperparams(max_grad_norm=0.0).c_struct())
+    assert lib.fz_cuda_lamb_clip_factor(1 << 20, 1, no_clip, None, 1 << 20, None) == 1
+    assert b"max_grad_norm must be > 0" in lib.fz_cuda_last_error()
     # a copy dtype without copies
-    assert lib.fz_cuda_adam(*args, 0, 0, 0, 2, 1 << 20, *hyper) == 1
+    assert lib.fz_cuda_adam(*args, 0, 0, 0, 2, adam_hp, 1 << 20, *rest) == 1
     # a null pointer for a non-empty tensor
     holes = (ctypes.c_void_p * 2)(1 << 20, None)
-    assert lib.fz_cuda_adam(holes, *args[1:], 0, 0, 0, -1, 1 << 20, *hyper) == 1
+    assert lib.fz_cuda_adam(holes, *args[1:], 0, 0, 0, -1, adam_hp, 1 << 20, *rest) == 1
     assert b"params[1] is a null pointer" in lib.fz_cuda_last_error()
     # a partials buffer too small for the chunks (70000 elements: 2 chunks)
     assert lib.fz_cuda_l2norm_partials(ptrs, numel, 2, 0, None, None, 1 << 20, 2, None) == 1
     assert b"3 needed" in lib.fz_cuda_last_error()
     # nothing to do is fine, and touches no CUDA API
-    assert lib.fz_cuda_adam(*args[:6], 0, 0, 0, 0, -1, None, *hyper) == 0
+    assert lib.fz_cuda_adam(*args[:6], 0, 0, 0, 0, -1, adam_hp, None, *rest) == 0
 
 
 def _driver_present() -> bool:
@@ -238,7 +256,8 @@ def test_launch_without_a_driver_is_an_error_not_a_crash(cuda_library):
     if _driver_present():
         pytest.skip("a CUDA driver is installed: launching at fake pointers would run")
     _, lib = cuda_library
-    rc = lib.fz_cuda_clip_factor(1 << 20, 0, 1.0, None, 1 << 20, None)
+    clipping = ctypes.byref(LambHyperparams(max_grad_norm=1.0).c_struct())
+    rc = lib.fz_cuda_lamb_clip_factor(1 << 20, 0, clipping, None, 1 << 20, None)
     assert rc == 2
     assert b"clip_factor_kernel" in lib.fz_cuda_last_error() and b"cuda" in lib.fz_cuda_last_error().lower()
     assert lib.fz_cuda_check_device() == 2

@@ -3,8 +3,6 @@ multi-tensor pass over memory per dtype combination."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -29,10 +27,12 @@ def launch(
     param_copies: list[Tensor] | None = None,
 ) -> str:
     """Runs lists that were checked (fastzero.checks.check_optimizer_lists):
-    one native call per dtype combination. Returns ``"cpu:<isa>"``."""
+    one native call per dtype combination. Returns ``"cpu:<isa>"``. The
+    hyperparameters cross whole, as the bytes of their C struct; the kernel
+    derives its constants from them (csrc/cpu/adam.cpp)."""
     ops, isa = cpu_ops(), cpu_isa()
-    bc1 = 1.0 - hp.beta1**step if hp.bias_correction else 1.0
-    bc2 = 1.0 - hp.beta2**step if hp.bias_correction else 1.0
+    hyper = bytes(hp.c_struct())
+    inv_grad_scale = 1.0 if grad_scale is None else 1.0 / grad_scale
     threads = torch.get_num_threads()
     for (p_dtype, g_dtype, s_dtype, c_dtype), idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
         ops.adam(
@@ -47,14 +47,9 @@ def launch(
             DTYPE_CODES[g_dtype],
             DTYPE_CODES[s_dtype],
             DTYPE_CODES.get(c_dtype, NO_DTYPE),
-            hp.beta1,
-            hp.beta2,
-            hp.eps,
-            hp.lr / bc1,  # step_size
-            1.0 / math.sqrt(bc2),  # bc2_rsqrt
-            1.0 - hp.lr * hp.weight_decay if hp.adamw_mode else 1.0,  # decay
-            0.0 if hp.adamw_mode else hp.weight_decay,  # l2
-            1.0 if grad_scale is None else 1.0 / grad_scale,
+            hyper,
+            step,
+            inv_grad_scale,
             threads,
         )
     return f"cpu:{isa}"

@@ -3,6 +3,8 @@ memory per dtype combination, per-step scalars read on the device."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
@@ -53,11 +55,13 @@ def adam_step(
 
 
 def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, found_inf=None, param_copies=None):
-    """:func:`adam_step` on lists that were checked."""
+    """:func:`adam_step` on lists that were checked. The hyperparameters
+    cross whole, as one fz_adam_hyper; the kernel derives its constants."""
     if not params:
         return
     device = params[0].device
     lib = cuda_lib("adam_step")
+    hyper = hp.c_struct()  # host memory, copied into the kernels' parameters during each call
     with torch.cuda.device(device):
         for key, idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
             rc = lib.fz_cuda_adam(
@@ -69,14 +73,8 @@ def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, f
                 numels(params, idx),
                 len(idx),
                 *dtype_codes(key),
+                ctypes.byref(hyper),
                 step.data_ptr(),
-                hp.lr,
-                hp.beta1,
-                hp.beta2,
-                hp.eps,
-                hp.weight_decay,
-                int(hp.bias_correction),
-                int(hp.adamw_mode),
                 ptr(grad_scale),
                 ptr(found_inf),
                 stream(device),

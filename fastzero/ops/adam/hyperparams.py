@@ -12,7 +12,7 @@ from fastzero.ops.hyperparams import Hyperparams
 class AdamHyperparams(Hyperparams):
     """``adamw_mode``: decoupled weight decay (AdamW) when True, L2 added to
     the gradient (Adam) when False. The C struct is ``fz_adam_hyper``
-    (csrc/cpu/adam.h, csrc/cuda/fastzero_cuda.h)."""
+    (csrc/common/hyperparams.h)."""
 
     family = "Adam"
 

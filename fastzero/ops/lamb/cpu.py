@@ -4,7 +4,6 @@ update with the per-tensor norms of p and of the update, then the update."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
@@ -28,16 +27,20 @@ def launch(
     grad_scale: float | None = None,
     param_copies: list[Tensor] | None = None,
 ) -> list[float]:
-    """Runs lists that were checked; returns the trust ratio of each tensor."""
+    """Runs lists that were checked; returns the trust ratio of each tensor.
+    The hyperparameters cross whole, as the bytes of their C struct; the
+    clip, trust ratios and step size are derived from them natively
+    (csrc/cpu/lamb.cpp)."""
     ops, isa = cpu_ops(), ISA_NAMES.index(cpu_isa())
+    hyper = bytes(hp.c_struct())
     threads = torch.get_num_threads()
     inv_scale = 1.0 if grad_scale is None else 1.0 / grad_scale
-    clip = 1.0
-    if hp.max_grad_norm > 0.0:
+    grad_sumsq = 0.0  # of the unscaled grads, over every tensor: the global norm's square
+    if hp.clips_grad_norm:
         by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
         for i, g in enumerate(grads):
             by_dtype[g.dtype].append(i)
-        sumsq = sum(
+        grad_sumsq = sum(
             ops.lamb_grad_sumsq(
                 isa,
                 [grads[i].data_ptr() for i in idx],
@@ -48,12 +51,6 @@ def launch(
             )
             for dtype, idx in by_dtype.items()
         )
-        norm = math.sqrt(sumsq)
-        if norm > hp.max_grad_norm:
-            clip = norm / hp.max_grad_norm
-    bc1 = 1.0 - hp.beta1**step if hp.bias_correction else 1.0
-    bc2 = 1.0 - hp.beta2**step if hp.bias_correction else 1.0
-    step_size = hp.lr * math.sqrt(bc2) / bc1
     ratios = [1.0] * len(params)
     for (p_dtype, g_dtype, s_dtype, c_dtype), idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
         ptrs = {
@@ -61,8 +58,9 @@ def launch(
             for name, seq in (("p", params), ("g", grads), ("m", exp_avgs), ("v", exp_avg_sqs))
         }
         numel = [params[i].numel() for i in idx]
-        sums = ops.lamb_norms(
+        group_ratios = ops.lamb_norms(
             isa,
+            hyper,
             ptrs["p"],
             ptrs["g"],
             ptrs["m"],
@@ -71,23 +69,17 @@ def launch(
             DTYPE_CODES[p_dtype],
             DTYPE_CODES[g_dtype],
             DTYPE_CODES[s_dtype],
-            hp.beta1,
-            hp.beta2,
-            hp.eps,
-            hp.eps_inside_sqrt,
-            hp.weight_decay,
-            inv_scale / clip,
+            inv_scale,
+            grad_sumsq,
             threads,
         )
-        scales = []
         for k, i in enumerate(idx):
-            p_norm, u_norm = math.sqrt(sums[2 * k]), math.sqrt(sums[2 * k + 1])
-            ratio = 1.0 if p_norm == 0.0 or u_norm == 0.0 else min(max(p_norm / u_norm, hp.min_coeff), hp.max_coeff)
-            ratios[i] = ratio
-            scales.append(-step_size * ratio)
+            ratios[i] = group_ratios[k]
         copies = [] if c_dtype is None else [param_copies[i].data_ptr() for i in idx]
         ops.lamb_apply(
             isa,
+            hyper,
+            step,
             ptrs["p"],
             ptrs["m"],
             ptrs["v"],
@@ -96,10 +88,7 @@ def launch(
             DTYPE_CODES[p_dtype],
             DTYPE_CODES[s_dtype],
             DTYPE_CODES.get(c_dtype, NO_DTYPE),
-            hp.eps,
-            hp.eps_inside_sqrt,
-            hp.weight_decay,
-            scales,
+            group_ratios,
             threads,
         )
     return ratios

@@ -76,18 +76,21 @@ def lamb_step(
 def launch(
     params, grads, exp_avgs, exp_avg_sqs, *, step, hp, coeffs_out, grad_scale=None, found_inf=None, param_copies=None
 ):
-    """:func:`lamb_step` on lists that were checked."""
+    """:func:`lamb_step` on lists that were checked. The hyperparameters
+    cross whole, as one fz_lamb_hyper; the kernels derive the clip factor,
+    trust ratios and step size from it."""
     if not params:
         return
     op, device = "lamb_step", params[0].device
     lib = cuda_lib(op)
     chunk = lib.fz_cuda_chunk_elems()
     inf_ptr = ptr(found_inf)
+    hyper = ctypes.byref(hp.c_struct())  # host memory, copied into the kernels' parameters during each call
     with torch.cuda.device(device):
         # Scratch lives on the current stream: the caching allocator reuses it
         # only for work queued after these kernels.
         clip = None
-        if hp.max_grad_norm > 0.0:
+        if hp.clips_grad_norm:
             by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
             for i, g in enumerate(grads):
                 by_dtype[g.dtype].append(i)
@@ -110,8 +113,8 @@ def launch(
                 check_rc(lib, rc, op)
                 offset += counts[dt]
             clip = torch.empty((), dtype=torch.float32, device=device)
-            rc = lib.fz_cuda_clip_factor(
-                partials.data_ptr(), total, hp.max_grad_norm, inf_ptr, clip.data_ptr(), stream(device)
+            rc = lib.fz_cuda_lamb_clip_factor(
+                partials.data_ptr(), total, hyper, inf_ptr, clip.data_ptr(), stream(device)
             )
             check_rc(lib, rc, op)
         for key, idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
@@ -128,16 +131,8 @@ def launch(
                 (ctypes.c_int64 * len(idx))(*idx),
                 len(idx),
                 *dtype_codes(key),
+                hyper,
                 step.data_ptr(),
-                hp.lr,
-                hp.beta1,
-                hp.beta2,
-                hp.eps,
-                int(hp.eps_inside_sqrt),
-                hp.weight_decay,
-                int(hp.bias_correction),
-                hp.max_coeff,
-                hp.min_coeff,
                 ptr(grad_scale),
                 ptr(clip),
                 inf_ptr,

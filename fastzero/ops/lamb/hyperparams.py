@@ -12,7 +12,7 @@ from fastzero.ops.hyperparams import Hyperparams
 class LambHyperparams(Hyperparams):
     """``max_grad_norm`` > 0 clips the global grad norm first (0: off); the
     trust ratio is clamped to [min_coeff, max_coeff]. The C struct is
-    ``fz_lamb_hyper``."""
+    ``fz_lamb_hyper`` (csrc/common/hyperparams.h)."""
 
     family = "LAMB"
     labels = {**Hyperparams.labels, "max_grad_norm": "max_grad_norm (0 disables clipping)"}
@@ -27,6 +27,13 @@ class LambHyperparams(Hyperparams):
     max_grad_norm: float = 0.0
     max_coeff: float = 10.0
     min_coeff: float = 0.01
+
+    @property
+    def clips_grad_norm(self) -> bool:
+        """Whether a step first takes the global grad norm (a pass of its
+        own): the backends ask this to plan their passes, and pass the
+        values themselves whole to the kernels."""
+        return self.max_grad_norm > 0.0
 
     def validate(self) -> None:
         super().validate()

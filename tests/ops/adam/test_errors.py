@@ -4,7 +4,7 @@ reaches native code."""
 import pytest
 import torch
 
-from fastzero.ops import CPUAdam, cpu_adam_step
+from fastzero.ops import AdamHyperparams, CPUAdam, cpu_adam_step
 
 
 def param(n=8, dtype=torch.float32, grad=True):
@@ -172,7 +172,8 @@ def test_native_refuses_isa_the_cpu_lacks():
     ops = native.cpu_ops()
     if ops is None:
         pytest.skip("no native kernels")
+    hyper = bytes(AdamHyperparams().c_struct())
     with pytest.raises(ValueError, match="not supported"):
-        ops.adam(7, [], [], [], [], [], [], 0, 0, 0, -1, 0.9, 0.999, 1e-8, 1e-3, 1.0, 1.0, 0.0, 1.0, 1)
+        ops.adam(7, [], [], [], [], [], [], 0, 0, 0, -1, hyper, 1, 1.0, 1)
     with pytest.raises(ValueError, match="no kernel"):
-        ops.adam(0, [0], [0], [0], [0], [], [1], 1, 0, 2, -1, 0.9, 0.999, 1e-8, 1e-3, 1.0, 1.0, 0.0, 1.0, 1)
+        ops.adam(0, [0], [0], [0], [0], [], [1], 1, 0, 2, -1, hyper, 1, 1.0, 1)
