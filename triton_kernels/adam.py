@@ -17,8 +17,6 @@ the same pass). The source of truth is ``fastzero.ops.adam.reference.adam_step``
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
@@ -268,21 +266,18 @@ def adam_step(
     exp_avg_sqs: list[Tensor],
     *,
     step: Tensor,
-    hp=None,
+    hp,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     param_copies: list[Tensor] | None = None,
-    **hyper,
 ) -> None:
     """One Adam/AdamW step on every tensor of the lists, in place (formula in the
-    module docstring); ``hp``: the hyperparameters (fastzero.ops.AdamHyperparams),
-    or all of their fields as keywords.
+    module docstring); ``hp``: the hyperparameters (fastzero.ops.AdamHyperparams).
 
     ``step`` is a 0-d float32 device tensor holding t >= 1; ``grad_scale`` (0-d
     float32) divides the grads; where ``found_inf`` (0-d float32) is nonzero nothing
     changes. All three are read on the device: no host sync.
     """
-    hp = hp if hp is not None else SimpleNamespace(**hyper)  # every field, when no hp is given
     check_inputs(
         params,
         grads,

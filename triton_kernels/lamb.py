@@ -29,8 +29,6 @@ The source of truth is ``fastzero.ops.lamb.reference.lamb_step``.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
@@ -605,23 +603,20 @@ def lamb_step(
     exp_avg_sqs: list[Tensor],
     *,
     step: Tensor,
-    hp=None,
+    hp,
     coeffs_out: Tensor,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     param_copies: list[Tensor] | None = None,
-    **hyper,
 ) -> None:
     """One LAMB step on every tensor of the lists, in place (formula in the module
-    docstring); ``hp``: the hyperparameters (fastzero.ops.LambHyperparams), or all
-    of their fields as keywords;
+    docstring); ``hp``: the hyperparameters (fastzero.ops.LambHyperparams);
     ``coeffs_out[i]`` receives the trust ratio r of tensor i.
 
     ``step`` is a 0-d float32 device tensor holding t >= 1; ``grad_scale`` (0-d
     float32) divides the grads; where ``found_inf`` (0-d float32) is nonzero nothing
     changes, ``coeffs_out`` included. All three are read on the device: no host sync.
     """
-    hp = hp if hp is not None else SimpleNamespace(**hyper)  # every field, when no hp is given
     check_inputs(
         params,
         grads,

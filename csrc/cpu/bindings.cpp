@@ -171,6 +171,10 @@ void stream_fill(int isa, const std::vector<uintptr_t>& a, const std::vector<int
 
 }  // namespace
 
+// Read with ctypes before the module is imported: a stale extension is never
+// imported, so a just-in-time build of the current sources can take its name.
+extern "C" __attribute__((visibility("default"))) int fz_cpu_abi_version() { return FZ_CPU_ABI_VERSION; }
+
 PYBIND11_MODULE(_cpu_ops, m) {
   m.doc() = "fastzero CPU kernels (SIMD + threads), torch-free";
   m.def("best_isa", [] { return int(fz::best_isa()); },

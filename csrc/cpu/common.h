@@ -6,6 +6,11 @@
 #include <cstdint>
 #include <cstring>
 
+// The Python-facing interface of the extension (bindings.cpp): bumped whenever
+// a binding's arguments change, so that a stale prebuilt extension is rebuilt
+// instead of failing with a pybind TypeError (fastzero/native/abi.py agrees).
+#define FZ_CPU_ABI_VERSION 2
+
 namespace fz {
 
 // Dtype codes shared with Python (fastzero/native/abi.py: DTYPE_CODES,

@@ -25,6 +25,10 @@ NO_DTYPE = -1  # kNone: an absent tensor (no low-precision param copy)
 # enum Isa: the CPU kernels' instruction sets; the index is the code, best last.
 ISA_NAMES = ("scalar", "avx2", "avx512")
 
+# FZ_CPU_ABI_VERSION (csrc/cpu/common.h): a prebuilt extension of another
+# version (a stale build) is passed over for a just-in-time build.
+CPU_ABI_VERSION = 2
+
 # FZ_CUDA_ABI_VERSION: a library speaking another version is refused.
 CUDA_ABI_VERSION = 3
 

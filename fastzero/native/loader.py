@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 
 from fastzero.native import build
-from fastzero.native.abi import CUDA_ABI_VERSION, CUDA_SIGNATURES, ISA_NAMES
+from fastzero.native.abi import CPU_ABI_VERSION, CUDA_ABI_VERSION, CUDA_SIGNATURES, ISA_NAMES
 
 # ---------------------------------------------------------------------------
 # CPU
@@ -37,17 +37,39 @@ from fastzero.native.abi import CUDA_ABI_VERSION, CUDA_SIGNATURES, ISA_NAMES
 _CPU_MODULE = f"fastzero.{build.CPU_MODULE}"
 
 
+def _cpu_abi_version(path: str) -> int:
+    """The FZ_CPU_ABI_VERSION an extension file was built with, read without
+    importing it (1: built before the extension said)."""
+    try:
+        return int(ctypes.CDLL(path).fz_cpu_abi_version())
+    except (OSError, AttributeError):
+        return 1
+
+
 @functools.cache
 def _load_cpu() -> tuple[ModuleType | None, str | None]:
-    """The CPU extension and None, or None and why not. Builds it if needed (once)."""
-    try:
-        return importlib.import_module(_CPU_MODULE), None
-    except ImportError as exc:
-        prebuilt_error = f"no prebuilt extension ({exc})"
+    """The CPU extension and None, or None and why not. Builds it if needed
+    (once): when there is no prebuilt extension, or it is stale (built from
+    sources whose bindings have changed since)."""
+    spec = importlib.util.find_spec(_CPU_MODULE)
+    if spec is None:
+        prebuilt_error = "no prebuilt extension"
+    elif (version := _cpu_abi_version(spec.origin)) != CPU_ABI_VERSION:
+        prebuilt_error = (
+            f"the prebuilt extension {spec.origin} is stale (CPU ABI version {version}, this fastzero needs "
+            f"{CPU_ABI_VERSION}; reinstall fastzero to rebuild it)"
+        )
+    else:
+        try:
+            return importlib.import_module(_CPU_MODULE), None
+        except ImportError as exc:
+            prebuilt_error = f"the prebuilt extension does not load ({exc})"
     if os.environ.get("FASTZERO_JIT", "1") == "0":
         return None, f"{prebuilt_error}, and FASTZERO_JIT=0 forbids building it"
     try:
         path = build.build_cpu()
+        if _cpu_abi_version(str(path)) != CPU_ABI_VERSION:
+            return None, f"{prebuilt_error}; the just-in-time build {path} is not CPU ABI version {CPU_ABI_VERSION}"
         loader = importlib.machinery.ExtensionFileLoader(_CPU_MODULE, str(path))
         spec = importlib.util.spec_from_file_location(_CPU_MODULE, path, loader=loader)
         module = importlib.util.module_from_spec(spec)

@@ -71,6 +71,12 @@ def test_isa_codes_match():
     }
 
 
+def test_cpu_abi_version_matches():
+    match = re.search(r"#define\s+FZ_CPU_ABI_VERSION\s+(\d+)", CPU_COMMON.read_text())
+    assert match, f"no FZ_CPU_ABI_VERSION in {CPU_COMMON}"
+    assert int(match.group(1)) == abi.CPU_ABI_VERSION
+
+
 def test_cuda_abi_version_matches():
     match = re.search(r"#define\s+FZ_CUDA_ABI_VERSION\s+(\d+)", _code(CUDA_API))
     assert match, f"no FZ_CUDA_ABI_VERSION in {CUDA_API}"

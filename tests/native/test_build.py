@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastzero import native
 from fastzero.native import build, loader
 from fastzero.ops import CPUAdam, backend, backends, report
 from tests import paths
@@ -129,3 +130,20 @@ def test_triton_kernels_live_inside_fastzero(tmp_path):
     name, origin = out.stdout.split()
     assert name == "fastzero.triton_kernels"
     assert origin == "None" or not origin.startswith(REPO), origin
+
+
+def test_a_stale_prebuilt_extension_is_passed_over(monkeypatch):
+    """An extension built from older bindings is never imported (it would fail
+    with a pybind TypeError at the first call): the loader says why and builds."""
+    from fastzero.native.abi import CPU_ABI_VERSION
+
+    assert loader._cpu_abi_version(native.cpu_ops().__file__) == CPU_ABI_VERSION
+    assert loader._cpu_abi_version("libc.so.6") == 1  # no version symbol: built before versioning
+    monkeypatch.setattr(loader, "_cpu_abi_version", lambda path: 1)
+    monkeypatch.setenv("FASTZERO_JIT", "0")
+    loader._load_cpu.cache_clear()
+    try:
+        assert loader.cpu_ops() is None
+        assert "is stale (CPU ABI version 1" in loader.cpu_ops_error()
+    finally:
+        loader._load_cpu.cache_clear()

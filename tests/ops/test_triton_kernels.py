@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
-from fastzero.ops import reference  # noqa: E402
+from fastzero.ops import AdamHyperparams, LambHyperparams, reference  # noqa: E402
 from fastzero.ops.tolerances import assert_close  # noqa: E402
 from fastzero.triton_kernels import _multi_tensor, adam, lamb  # noqa: E402
 from tests import kernel_checks  # noqa: E402
@@ -64,6 +64,24 @@ def scalar(x):
     return None if x is None else torch.tensor(float(x), device=DEVICE)
 
 
+def _split(family, kwargs):
+    """(the family's hyperparameters as its dataclass, the other keywords)."""
+    names = set(family.names())
+    return family(**{k: v for k, v in kwargs.items() if k in names}), {
+        k: v for k, v in kwargs.items() if k not in names
+    }
+
+
+def adam_kernel(*tensors, **kwargs):
+    hp, rest = _split(AdamHyperparams, kwargs)
+    return adam.adam_step(*tensors, hp=hp, **rest)
+
+
+def lamb_kernel(*tensors, **kwargs):
+    hp, rest = _split(LambHyperparams, kwargs)
+    return lamb.lamb_step(*tensors, hp=hp, **rest)
+
+
 def run_all(opt, sizes, combos, steps=20, scales=(1.0,), grad_scale=3.0, **hyper):
     """The kernel, the reference in the same dtypes, and the reference in fp32 storage
     (the ideal that low-precision storage approximates), over ``steps`` steps with fresh
@@ -80,11 +98,11 @@ def run_all(opt, sizes, combos, steps=20, scales=(1.0,), grad_scale=3.0, **hyper
                 c.copy_(a)
         kw = dict(step=scalar(step), grad_scale=scalar(grad_scale), found_inf=scalar(0.0), param_copies=kernel[4])
         if opt == "adam":
-            adam.adam_step(*kernel[:4], **kw, **hyper)
+            adam_kernel(*kernel[:4], **kw, **hyper)
             for t in (ref, ideal):
                 reference.adam_step(*t[:4], step=step, grad_scale=grad_scale, param_copies=t[4], **hyper)
         else:
-            lamb.lamb_step(*kernel[:4], **kw, coeffs_out=coeffs, **hyper)
+            lamb_kernel(*kernel[:4], **kw, coeffs_out=coeffs, **hyper)
             ratios = [
                 reference.lamb_step(*t[:4], step=step, grad_scale=grad_scale, param_copies=t[4], **hyper)
                 for t in (ref, ideal)
@@ -135,7 +153,7 @@ def test_adam_unaligned_views_of_a_flat_buffer():
     views = [[f[o : o + t.numel()].copy_(t) for o, t in zip(offsets, ts)] for f, ts in zip(flat, kernel[:4])]
     lists = [v + a for v, a in zip(views, make_tensors([4099], [(F32, BF16, F32, None)])[:4])]
     ref = clone_all(lists)
-    adam.adam_step(*lists, step=scalar(3), **ADAM)
+    adam_kernel(*lists, step=scalar(3), **ADAM)
     reference.adam_step(*ref, step=3, **ADAM)
     for k, r in zip(sum(lists, []), sum(ref, [])):
         assert_close(k, r)
@@ -149,7 +167,7 @@ def test_adam_bias_correction_is_exact_to_fp32():
     for t in steps:
         p, g = torch.zeros(5, device=DEVICE), torch.full((5,), 0.5, device=DEVICE)
         m, v = torch.zeros_like(p), torch.zeros_like(p)
-        adam.adam_step([p], [g], [m], [v], step=scalar(t), **dict(ADAM, lr=1.0, weight_decay=0.0, eps=1e-30))
+        adam_kernel([p], [g], [m], [v], step=scalar(t), **dict(ADAM, lr=1.0, weight_decay=0.0, eps=1e-30))
         bc1, bc2 = 1 - 0.9**t, 1 - 0.999**t
         want = -(0.1 * 0.5 / bc1) / (math.sqrt(0.001 * 0.25) / math.sqrt(bc2))
         torch.testing.assert_close(p.double().cpu(), torch.full((5,), want, dtype=torch.float64), rtol=2e-6, atol=0)
@@ -165,7 +183,7 @@ def test_adam_copy_rounds_exactly_like_torch(c_dtype):
     master = torch.cat([torch.randn(9000) * torch.logspace(-9, 5, 9000), special, ties, -ties]).to(DEVICE)
     copy = torch.empty_like(master, dtype=c_dtype)
     m, v = torch.randn_like(master), torch.rand_like(master)
-    adam.adam_step(
+    adam_kernel(
         [master], [torch.randn_like(master)], [m], [v], step=scalar(3), param_copies=[copy], **dict(ADAM, lr=0.0)
     )
     assert torch.equal(copy.view(torch.int16), master.to(c_dtype).view(torch.int16))
@@ -179,7 +197,7 @@ def test_low_precision_params_round_trip_exactly(p_dtype):
     p = p[torch.isfinite(p.float())].to(DEVICE)
     before = p.clone()
     zeros = torch.zeros(p.shape, device=DEVICE)
-    adam.adam_step(
+    adam_kernel(
         [p], [torch.randn(p.shape, device=DEVICE)], [zeros], [zeros.clone()], step=scalar(1), **dict(ADAM, lr=0.0)
     )
     assert torch.equal(p, before)
@@ -220,7 +238,7 @@ def test_lamb_copies_and_a_zero_param():
     ref = clone_all(kernel)
     coeffs = torch.zeros(len(SIZES), device=DEVICE)
     hyper = dict(LAMB, max_grad_norm=1e4)
-    lamb.lamb_step(*kernel[:4], step=scalar(1), param_copies=kernel[4], coeffs_out=coeffs, **hyper)
+    lamb_kernel(*kernel[:4], step=scalar(1), param_copies=kernel[4], coeffs_out=coeffs, **hyper)
     want = reference.lamb_step(*ref[:4], step=1, param_copies=ref[4], **hyper)
     check_all(kernel, ref, ref, (coeffs, want, None))
     assert coeffs[2] == 1.0
@@ -236,9 +254,9 @@ def test_found_inf_changes_nothing(opt):
     before = clone_all(tensors) + [[coeffs.clone()]]
     kw = dict(step=scalar(2), grad_scale=scalar(2.0), found_inf=scalar(1.0), param_copies=tensors[4])
     if opt == "adam":
-        adam.adam_step(*tensors[:4], **kw, **ADAM)
+        adam_kernel(*tensors[:4], **kw, **ADAM)
     else:
-        lamb.lamb_step(*tensors[:4], **kw, coeffs_out=coeffs, **LAMB)
+        lamb_kernel(*tensors[:4], **kw, coeffs_out=coeffs, **LAMB)
     for a, b in zip(sum(tensors, []) + [coeffs], sum(before, [])):
         assert torch.equal(a, b)
 
@@ -247,19 +265,19 @@ def test_bad_inputs_raise_clear_errors():
     p, g, m, v = make_tensors([7, 9], [(F32, F32, F32, None)])[:4]
     kw = dict(step=scalar(1), **ADAM)
     with pytest.raises(ValueError, match="2 params but 1 grads"):
-        adam.adam_step(p, g[:1], m, v, **kw)
+        adam_kernel(p, g[:1], m, v, **kw)
     with pytest.raises(TypeError, match=r"exp_avgs\[1\] is torch.float16; optimizer states must be float32"):
-        adam.adam_step(p, g, [m[0], m[1].half()], v, **kw)
+        adam_kernel(p, g, [m[0], m[1].half()], v, **kw)
     with pytest.raises(TypeError, match="copies are bf16/fp16 copies of fp32 master params"):
-        adam.adam_step(p, g, m, v, param_copies=[x.clone() for x in p], **kw)
+        adam_kernel(p, g, m, v, param_copies=[x.clone() for x in p], **kw)
     with pytest.raises(ValueError, match=r"grads\[1\] has shape \(8,\)"):
-        adam.adam_step(p, [g[0], g[1][:8]], m, v, **kw)
+        adam_kernel(p, [g[0], g[1][:8]], m, v, **kw)
     with pytest.raises(ValueError, match="contiguous"):
-        adam.adam_step([p[0], torch.randn(18, device=DEVICE)[::2]], g, m, v, **kw)
+        adam_kernel([p[0], torch.randn(18, device=DEVICE)[::2]], g, m, v, **kw)
     with pytest.raises(TypeError, match="step must be a 0-d float32 tensor"):
-        adam.adam_step(p, g, m, v, **dict(kw, step=3))
+        adam_kernel(p, g, m, v, **dict(kw, step=3))
     with pytest.raises(TypeError, match="coeffs_out must be a float32 tensor of shape"):
-        lamb.lamb_step(p, g, m, v, step=scalar(1), coeffs_out=torch.zeros(3, device=DEVICE), **LAMB)
+        lamb_kernel(p, g, m, v, step=scalar(1), coeffs_out=torch.zeros(3, device=DEVICE), **LAMB)
 
 
 def test_work_list_covers_every_element_once_grouped_by_dtype():

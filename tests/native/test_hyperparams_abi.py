@@ -13,7 +13,6 @@ import ast
 import ctypes
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,9 @@ from fastzero.native import build, cpu_ops
 from fastzero.ops.adam import AdamHyperparams
 from fastzero.ops.hyperparams import Hyperparams
 from fastzero.ops.lamb import LambHyperparams
+from tests import paths
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.REPO
 HEADER = build.common_source_dir() / "hyperparams.h"
 
 # dataclass -> (its C struct in HEADER, its key in the extension's hyper_sizes())
