@@ -24,18 +24,17 @@ struct AdamConsts {
 namespace {
 
 AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scale) {
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, step) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, step) : 1.0;
+  const fz_adam_derived d = fz_adam_derive(&h, step);
   AdamConsts k;
   k.beta1 = float(h.beta1);
   k.beta2 = float(h.beta2);
-  k.one_minus_beta1 = float(1.0 - h.beta1);
-  k.one_minus_beta2 = float(1.0 - h.beta2);
+  k.one_minus_beta1 = float(d.one_minus_beta1);
+  k.one_minus_beta2 = float(d.one_minus_beta2);
   k.eps = float(h.eps);
-  k.step_size = float(h.lr / bc1);
-  k.bc2_rsqrt = float(1.0 / std::sqrt(bc2));
-  k.decay = h.adamw_mode ? float(1.0 - h.lr * h.weight_decay) : 1.0f;
-  k.l2 = h.adamw_mode ? 0.0f : float(h.weight_decay);
+  k.step_size = float(d.step_size);
+  k.bc2_rsqrt = float(1.0 / d.sqrt_bc2);
+  k.decay = float(d.decay);
+  k.l2 = float(d.l2);
   k.inv_grad_scale = float(inv_grad_scale);
   return k;
 }

@@ -36,31 +36,6 @@ LambConsts lamb_consts(const fz_lamb_hyper& h, double grad_mult) {
   return k;
 }
 
-// The global-norm clip divisor: max(1, ||g|| / max_grad_norm), 1 when off.
-double lamb_clip(const fz_lamb_hyper& h, double grad_sumsq) {
-  if (!(h.max_grad_norm > 0.0)) return 1.0;
-  const double norm = std::sqrt(grad_sumsq);
-  return norm > h.max_grad_norm ? norm / h.max_grad_norm : 1.0;
-}
-
-// clamp(||p|| / ||u||, min_coeff, max_coeff), 1 when a norm is 0 (a NaN
-// ratio stays NaN, as the reference's min(max(...)) leaves it).
-double lamb_trust_ratio(const fz_lamb_hyper& h, double p_sumsq, double u_sumsq) {
-  const double p_norm = std::sqrt(p_sumsq), u_norm = std::sqrt(u_sumsq);
-  if (p_norm == 0.0 || u_norm == 0.0) return 1.0;
-  double r = p_norm / u_norm;
-  if (h.min_coeff > r) r = h.min_coeff;
-  if (h.max_coeff < r) r = h.max_coeff;
-  return r;
-}
-
-// lr * sqrt(bc2) / bc1, bc_i = 1 - beta_i^step (1 without bias correction).
-double lamb_step_size(const fz_lamb_hyper& h, double step) {
-  const double bc1 = h.bias_correction ? 1.0 - std::pow(h.beta1, step) : 1.0;
-  const double bc2 = h.bias_correction ? 1.0 - std::pow(h.beta2, step) : 1.0;
-  return h.lr * std::sqrt(bc2) / bc1;
-}
-
 }  // namespace
 }  // namespace fz
 
@@ -93,7 +68,7 @@ bool lamb_norms(Isa isa, const std::vector<uintptr_t>& p, const std::vector<uint
                 std::vector<double>* ratios) {
   const auto fn = FZ_ISA_PICK(isa, lamb_norms_pick(p_dtype, g_dtype, s_dtype));
   if (fn == nullptr) return false;
-  const LambConsts k = lamb_consts(hyper, inv_grad_scale / lamb_clip(hyper, grad_sumsq));
+  const LambConsts k = lamb_consts(hyper, inv_grad_scale / fz_lamb_clip(&hyper, grad_sumsq));
   const std::vector<Chunk> chunks = make_chunks(numel);
   std::vector<double> partial(2 * chunks.size(), 0.0);
   const int64_t ps = dtype_size(p_dtype), gs = dtype_size(g_dtype), ss = dtype_size(s_dtype);
@@ -110,7 +85,7 @@ bool lamb_norms(Isa isa, const std::vector<uintptr_t>& p, const std::vector<uint
     sums[2 * chunks[i].tensor + 1] += partial[2 * i + 1];
   }
   ratios->resize(numel.size());
-  for (size_t t = 0; t < numel.size(); ++t) (*ratios)[t] = lamb_trust_ratio(hyper, sums[2 * t], sums[2 * t + 1]);
+  for (size_t t = 0; t < numel.size(); ++t) (*ratios)[t] = fz_lamb_trust_ratio(&hyper, sums[2 * t], sums[2 * t + 1]);
   return true;
 }
 
@@ -122,7 +97,7 @@ bool lamb_apply(Isa isa, const std::vector<uintptr_t>& p, const std::vector<uint
   const auto fn = FZ_ISA_PICK(isa, lamb_apply_pick(p_dtype, s_dtype, c_dtype));
   if (fn == nullptr) return false;
   const LambConsts k = lamb_consts(hyper, 1.0);
-  const double step_size = lamb_step_size(hyper, step);
+  const double step_size = fz_lamb_step_size(&hyper, step);
   std::vector<float> scale(ratios.size());  // p += scale * u
   for (size_t t = 0; t < ratios.size(); ++t) scale[t] = float(-step_size * ratios[t]);
   const int64_t ps = dtype_size(p_dtype), ss = dtype_size(s_dtype), cs = dtype_size(c_dtype);

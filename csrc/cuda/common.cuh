@@ -231,12 +231,6 @@ __device__ __forceinline__ void block_sum(double (&x)[K]) {
   }
 }
 
-// Bias corrections 1 - beta^t in fp64 from the device's step counter t (as
-// the reference computes them in Python floats).
-__device__ __forceinline__ double bias_correction(double beta, const float* step, int enabled) {
-  return enabled ? 1.0 - pow(beta, double(*step)) : 1.0;
-}
-
 // ---------------------------------------------------------------------------
 // The chunk table.
 

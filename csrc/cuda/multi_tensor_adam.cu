@@ -33,18 +33,17 @@ struct AdamConsts {
 // Everything Adam derives from its hyperparameters, in one place.
 __device__ AdamConsts adam_consts(const AdamArgs& a) {
   const fz_adam_hyper& h = a.hyper;
-  const double bc1 = bias_correction(h.beta1, a.step, h.bias_correction);
-  const double bc2 = bias_correction(h.beta2, a.step, h.bias_correction);
+  const fz_adam_derived d = fz_adam_derive(&h, double(*a.step));
   AdamConsts k;
   k.beta1 = float(h.beta1);
   k.beta2 = float(h.beta2);
-  k.one_minus_beta1 = float(1.0 - h.beta1);
-  k.one_minus_beta2 = float(1.0 - h.beta2);
+  k.one_minus_beta1 = float(d.one_minus_beta1);
+  k.one_minus_beta2 = float(d.one_minus_beta2);
   k.eps = float(h.eps);
-  k.neg_step_size = float(-h.lr / bc1);
-  k.sqrt_bc2 = float(sqrt(bc2));
-  k.decay = h.adamw_mode ? float(1.0 - h.lr * h.weight_decay) : 1.0f;
-  k.l2 = h.adamw_mode ? 0.0f : float(h.weight_decay);
+  k.neg_step_size = float(-d.step_size);
+  k.sqrt_bc2 = float(d.sqrt_bc2);
+  k.decay = float(d.decay);
+  k.l2 = float(d.l2);
   k.grad_scale = a.grad_scale != nullptr ? *a.grad_scale : 1.0f;
   return k;
 }

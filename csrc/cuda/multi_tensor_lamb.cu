@@ -54,25 +54,6 @@ __device__ LambConsts lamb_consts(const LambArgs& a) {
   return k;
 }
 
-// The global-norm clip factor: max(1, ||g|| / max_grad_norm), in fp64.
-__device__ double lamb_clip(const fz_lamb_hyper& h, double grad_sumsq) {
-  const double norm = sqrt(grad_sumsq);
-  return norm > h.max_grad_norm ? norm / h.max_grad_norm : 1.0;
-}
-
-// The trust ratio clamp(||p|| / ||u||, min_coeff, max_coeff), 1 when a norm is 0.
-__device__ double lamb_trust_ratio(const fz_lamb_hyper& h, double p_sumsq, double u_sumsq) {
-  const double p_norm = sqrt(p_sumsq), u_norm = sqrt(u_sumsq);
-  return p_norm == 0.0 || u_norm == 0.0 ? 1.0 : fmin(fmax(p_norm / u_norm, h.min_coeff), h.max_coeff);
-}
-
-// lr * sqrt(bc2) / bc1 at the device's step counter.
-__device__ double lamb_step_size(const fz_lamb_hyper& h, const float* step) {
-  const double bc1 = bias_correction(h.beta1, step, h.bias_correction);
-  const double bc2 = bias_correction(h.beta2, step, h.bias_correction);
-  return h.lr * sqrt(bc2) / bc1;
-}
-
 // One element of LAMB, fp32, in the reference's order of operations. Phase 1
 // updates the moments m, v from the grad g; phase 2 takes them as stored (g
 // unused). Both return the update direction u.
@@ -156,7 +137,7 @@ __global__ void __launch_bounds__(kRatioThreads)
   }
   block_sum<kRatioThreads>(sums);
   if (threadIdx.x == 0) {
-    const double r = lamb_trust_ratio(hyper, sums[0], sums[1]);
+    const double r = fz_lamb_trust_ratio(&hyper, sums[0], sums[1]);
     ratio[table.first_tensor + t] = r;
     coeffs_out[table.out_index[t]] = float(r);
   }
@@ -171,7 +152,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_phase2_kernel(TensorListMeta<
   __shared__ float shared_alpha;
   if (threadIdx.x == 0) {
     shared = lamb_consts(args);
-    shared_alpha = float(-lamb_step_size(args.hyper, args.step) * args.ratio[meta.first_tensor + c.tensor]);
+    shared_alpha = float(-fz_lamb_step_size(&args.hyper, double(*args.step)) * args.ratio[meta.first_tensor + c.tensor]);
   }
   __syncthreads();
   const LambConsts k = shared;
@@ -212,7 +193,7 @@ __global__ void __launch_bounds__(kClipThreads)
   double sum[1] = {0.0};
   for (int64_t i = threadIdx.x; i < len; i += kClipThreads) sum[0] += partials[i];
   block_sum<kClipThreads>(sum);
-  if (threadIdx.x == 0) *clip = float(lamb_clip(hyper, sum[0]));
+  if (threadIdx.x == 0) *clip = float(fz_lamb_clip(&hyper, sum[0]));
 }
 
 struct LambCall {

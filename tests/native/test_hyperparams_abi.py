@@ -74,7 +74,8 @@ def dataclass_members(cls: type[Hyperparams]) -> list[tuple[str, str]]:
 
 
 def test_the_header_declares_one_struct_per_family():
-    assert sorted(header_structs()) == sorted(struct for struct, _ in FAMILIES.values())
+    hyper_structs = [name for name in header_structs() if name.endswith("_hyper")]  # the rest are derived values
+    assert sorted(hyper_structs) == sorted(struct for struct, _ in FAMILIES.values())
 
 
 @pytest.mark.parametrize("cls", list(FAMILIES), ids=lambda c: c.__name__)
