@@ -36,6 +36,7 @@ class GroupLists:
     exp_avg_sqs: list[Tensor] = field(default_factory=list)
     param_copies: list[Tensor] | None = None
     staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (param, contiguous copy) to write back
+    resized: bool = False  # some tensor's size differs from its param's: the full checks name it
 
 
 class AdamFamilyOptimizer(torch.optim.Optimizer):
@@ -166,14 +167,12 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
 
     def _check_lists(self, gi: int, lists: GroupLists) -> None:
         """The full checks of every tensor the kernels touch, once per param
-        set: again whenever a param, its size or a state tensor is replaced
-        (a grad's size is compared every step; torch checks its shape only
-        when it is assigned)."""
-        key = tuple(
-            (id(p), p.numel(), g.numel(), id(m), id(v))
-            for p, g, m, v in zip(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs)
-        )
-        if self._checked.get(gi) == key:
+        set: again when a param or a state tensor is replaced, or when
+        :meth:`_gather`'s per-step size comparison finds a mismatch (a param
+        resized through ``p.data``, a grad of another size: torch checks a
+        grad's shape only when it is assigned)."""
+        key = (tuple(map(id, lists.params)), tuple(map(id, lists.exp_avgs)), tuple(map(id, lists.exp_avg_sqs)))
+        if not lists.resized and self._checked.get(gi) == key:
             return
         if lists.device.type not in self._device_types:
             raise ValueError(
@@ -241,9 +240,12 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
                         "put them in separate groups"
                     )
                 params_entry = p if p.is_contiguous() else self._stage(lists, p)
+            m, n = state["exp_avg"], p.numel()
+            if g.numel() != n or m.numel() != n:  # a param resized through .data, or a grad of another size
+                lists.resized = True  # (a replaced state tensor changes _check_lists' key instead)
             lists.params.append(params_entry)
             lists.grads.append(g if g.is_contiguous() else g.contiguous())
-            lists.exp_avgs.append(state["exp_avg"])
+            lists.exp_avgs.append(m)
             lists.exp_avg_sqs.append(state["exp_avg_sq"])
         return lists
 

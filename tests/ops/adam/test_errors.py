@@ -177,3 +177,20 @@ def test_native_refuses_isa_the_cpu_lacks():
         ops.adam(7, [], [], [], [], [], [], 0, 0, 0, -1, hyper, 1, 1.0, 1)
     with pytest.raises(ValueError, match="no kernel"):
         ops.adam(0, [0], [0], [0], [0], [], [1], 1, 0, 2, -1, hyper, 1, 1.0, 1)
+
+
+@pytest.mark.parametrize("what", ["param", "state"])
+def test_a_tensor_replaced_after_a_step_is_refused_not_read_out_of_bounds(what):
+    """The full checks run once per param set and again whenever a size no
+    longer matches: a param resized through .data (its state now smaller) or a
+    state tensor replaced by a smaller one raises instead of reaching the kernel."""
+    p = param(64)
+    opt = CPUAdam([p])
+    opt.step()
+    if what == "param":
+        p.data = torch.randn(128)
+        p.grad = torch.randn(128)
+    else:
+        opt.state[p]["exp_avg"] = torch.zeros(16)
+    with pytest.raises(ValueError, match="exp_avgs\\[0\\] has shape"):
+        opt.step()
