@@ -105,6 +105,9 @@ class ZeroConfig:
     stage3_max_live_parameters: int = _opt(1_000_000_000, "int", low=0)
     stage3_max_reuse_distance: int = _opt(1_000_000_000, "int", low=0)
     stage3_gather_16bit_weights_on_model_save: bool = _opt(False, "bool")
+    # fastzero's: the ranks agree on each module before gathering its params (a branch that differs across ranks is
+    # an error naming the module, not an abort or a hang); one tiny host-side all-reduce per module forward
+    stage3_check_divergence: bool = _opt(True, "bool")
     UNSUPPORTED = (
         "sub_group_size",
         "round_robin_gradients",
@@ -262,6 +265,9 @@ class Config:
     fp16: FP16Config = _section(FP16Config)
     bf16: BF16Config = _section(BF16Config)
     gradient_clipping: float = _opt(0.0, "float", low=0.0)
+    # fastzero's: a non-finite gradient norm in fp32/bf16 training skips the step (DeepSpeed's behaviour under
+    # fp16) or raises; under fp16 the loss scaler skips and lowers the scale
+    non_finite_grads: str = _opt("skip", "choice", choices=("skip", "raise"))
     zero_optimization: ZeroConfig = _section(ZeroConfig)
     steps_per_print: int = _opt(10, "int", low=1)
     wall_clock_breakdown: bool = _opt(False, "bool")
@@ -485,6 +491,11 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError(
             "zero_optimization.offload_param needs offload_optimizer.device 'cpu' too: the offloaded param shards are "
             "what the CPU step updates"
+        )
+    if cfg.non_finite_grads == "raise" and cfg.fp16.enabled and cfg.fp16.loss_scale == 0:
+        raise ConfigError(
+            "non_finite_grads = 'raise' with fp16 dynamic loss scaling: overflows are how the scaler finds its scale; "
+            "leave it 'skip', or set fp16.loss_scale to a static scale"
         )
     if cfg.optimizer.type:
         check_optimizer(cfg.optimizer.type, zero.stage, offload=zero.offload_optimizer.device != "none")

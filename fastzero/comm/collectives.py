@@ -139,6 +139,15 @@ class Comm:
         self.all_reduce(t, tag, op).wait()
         return t.tolist()
 
+    def all_gather_objects(self, obj) -> list:
+        """Every rank's `obj` (any picklable value), in rank order: for small
+        control data (agreement checks, error reports), not tensors."""
+        if self._local():
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def barrier(self) -> None:
         if not self._local():
             dist.barrier(group=self.group)

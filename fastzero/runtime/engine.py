@@ -28,6 +28,7 @@ from torch import Tensor
 
 from fastzero.comm import Comm, dist_env, init_distributed
 from fastzero.config import Config, ConfigError, load_config
+from fastzero.runtime.agreement import check_start
 from fastzero.runtime.groups import ZeroGroup
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
@@ -36,6 +37,10 @@ from fastzero.runtime.onebit_adam import OneBitAdam
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
 from fastzero.runtime.stage3 import ParamFetcher, Stage3Group, is_partitioned
+
+
+class NonFiniteGradients(FloatingPointError):
+    """The gradient norm is inf or NaN and ``non_finite_grads`` is ``raise``."""
 
 
 def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -> list[dict]:
@@ -118,6 +123,7 @@ class Engine:
                 prefetch_elements=zero.stage3_prefetch_bucket_size,
                 max_live=zero.stage3_max_live_parameters,
                 max_reuse=zero.stage3_max_reuse_distance,
+                check=self._order_check() if zero.stage3_check_divergence else None,
             )
         else:
             self.groups = [
@@ -150,6 +156,7 @@ class Engine:
             for i, p in enumerate(group.params)
         ]
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
+        self._grads_fresh = True  # no backward since the gradients were last zeroed
         self.grad_norm: float | None = None
         self.last_loss: Tensor | None = None
         # seconds spent in each phase since take_timers() (and when the last backward ended, for tests)
@@ -157,6 +164,14 @@ class Engine:
         self.monitor = Monitor(cfg, rank=self.comm.rank)
 
     # -- set-up -----------------------------------------------------------------------------
+    def _order_check(self) -> Comm:
+        """Where stage 3's per-module agreement runs: the data-parallel group
+        when it is host-side (Gloo), else a Gloo group of the same ranks, so
+        the check never waits behind the device's collectives."""
+        if self.comm.device.type == "cpu":
+            return self.comm
+        return Comm(torch.distributed.new_group(backend="gloo"))
+
     def _sync_module_state(self) -> None:
         """Every rank starts from rank 0's params and buffers."""
         if self.comm.world_size > 1:
@@ -224,10 +239,11 @@ class Engine:
         try:
             out = self.module(*args, **kwargs)
         except RuntimeError as exc:
-            if self.fetcher is None:
+            # an empty (released) param met: which partitioned params the forward may have used outside their module
+            hint = self.fetcher.hint(exc) if self.fetcher is not None else None
+            if hint is None:
                 raise
-            # which partitioned params the forward may have used outside their own module's forward
-            raise RuntimeError(f"{exc}\n\n{self.fetcher.hint()}") from exc
+            raise RuntimeError(f"{exc}\n\n{hint}") from exc
         self.timers["forward"] += time.perf_counter() - start
         return out
 
@@ -246,10 +262,12 @@ class Engine:
         start = time.perf_counter()
         self.last_loss = loss.detach()
         boundary = self.is_gradient_accumulation_boundary()
-        first = self.micro_steps % self.gradient_accumulation_steps() == 0
+        first, self._grads_fresh = self._grads_fresh, False  # a second backward before step() accumulates
         reduce = boundary and not self._compressing()  # past 1-bit Adam's freeze_step, grads stay local
         for group in self.groups:
             group.begin_backward(first, reduce)
+        if self.fetcher is not None:
+            self.fetcher.agree(None)  # every rank's forward ended at the same module
         if self.loss_scaler is not None:
             loss = loss.float() * self.loss_scaler.loss_scale
         with warnings.catch_warnings():
@@ -265,7 +283,11 @@ class Engine:
 
     def step(self) -> None:
         """At an accumulation boundary: the optimizer step over this rank's
-        shard, then the all-gather of the updated params; else nothing."""
+        shard, then the all-gather of the updated params; else nothing. A
+        non-finite gradient norm (inf/NaN on any rank) skips the step on every
+        rank: under fp16 the loss scaler lowers the scale; in fp32/bf16 it
+        warns (``non_finite_grads: skip``) or raises :class:`NonFiniteGradients`
+        (``raise``)."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -278,13 +300,11 @@ class Engine:
         # local grads (1-bit Adam past freeze_step) are averaged over ranks by the compressed exchange
         divisor = scale * (1 if compressing else self.comm.world_size) * self.gradient_accumulation_steps()
         clip = self.config.gradient_clipping
-        self.grad_norm = None
-        if clip > 0 or self.loss_scaler is not None or self.monitor.wants(self.global_steps + 1):
-            self.grad_norm = (self._local_grad_norm() if compressing else self._grad_norm()) / divisor
-        overflow = self.grad_norm is not None and not math.isfinite(self.grad_norm)
+        # every step: it is also the non-finite check, agreed by every rank (one tiny all-reduce)
+        self.grad_norm = (self._local_grad_norm() if compressing else self._grad_norm()) / divisor
+        overflow = not math.isfinite(self.grad_norm)
         if overflow:
-            self.skipped_steps += 1
-            self.monitor.log(f"step {self.global_steps + 1}: gradient overflow (loss scale {scale:g}), step skipped")
+            self._non_finite(scale)
         else:
             coef = clip / (self.grad_norm + 1e-6) if clip > 0 and self.grad_norm > clip else 1.0
             if compressing and self.stage == 1:  # the compressed reduce-scatter of the local grads
@@ -298,12 +318,35 @@ class Engine:
                 h.wait()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        for group in self.groups:
-            group.zero_grads()
+        self._zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.timers["step"] += time.perf_counter() - start
         self.monitor.step(self)
+
+    def _non_finite(self, scale: float) -> None:
+        """A skipped step: counted, said (with the first param whose gradient
+        is not finite, found only now), or raised as configured."""
+        self.skipped_steps += 1
+        step = self.global_steps + 1
+        if self.loss_scaler is not None:
+            self.monitor.log(f"step {step}: gradient overflow (loss scale {scale:g}), step skipped")
+            return
+        local = next((n for g in self.groups if (n := g.first_non_finite()) is not None), None)
+        names = self.comm.all_gather_objects(local)
+        where = next((f"{n} (on rank {r})" for r, n in enumerate(names) if n is not None), None)
+        what = f"step {step}: the gradient norm is {self.grad_norm}"
+        what += f"; first non-finite gradient: {where}" if where else ""
+        if self.config.non_finite_grads == "raise":
+            self._zero_grads()
+            raise NonFiniteGradients(f"{what}. Nothing was updated (non_finite_grads: raise)")
+        if self.comm.rank == 0:
+            warnings.warn(f"{what}; the step is skipped on every rank (non_finite_grads: skip)", RuntimeWarning, 2)
+
+    def _zero_grads(self) -> None:
+        for group in self.groups:
+            group.zero_grads()
+        self._grads_fresh = True
 
     def _grad_norm(self) -> float:
         """The global L2 norm of the summed gradients: a local sum of squares
@@ -458,7 +501,12 @@ def initialize(
     if env.world_size > 1 and dist_init_required is not False:
         init_distributed()
     comm = Comm()
-    cfg = load_config(config, world_size=comm.world_size)
+    cfg = error = None
+    try:
+        cfg = load_config(config, world_size=comm.world_size)
+    except ConfigError as exc:
+        error = exc
+    check_start(comm, cfg, error, model)  # every rank raises if any rank's config or model differs
     engine = Engine(
         model, cfg, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, comm=comm
     )

@@ -7,8 +7,9 @@ A *group* is one param group of the model, sharded some way: stages 0-2's
 pipeline-parallel groups plug in the same way. The engine calls only what
 :class:`ZeroGroup` declares: around backward (``begin_backward``,
 ``grad_ready`` per param, ``end_backward``), at the step (``grads``,
-``optimizer_params``, ``gather``, ``zero_grads``, ``unreduced``) and for
-reports (``memory``).
+``optimizer_params``, ``gather``, ``zero_grads``, ``unreduced``), for
+reports (``memory``) and, after a non-finite gradient norm,
+``first_non_finite``.
 
 Checkpoints see a group through its *pieces*: each :class:`Piece` is a range
 ``[lo, hi)`` of one logical param, flattened, whose fp32 master and optimizer
@@ -130,6 +131,19 @@ class ZeroGroup(Protocol):
     def load_rank_state(self, state: Any) -> None:
         """Restores :meth:`rank_state` (None: start it afresh)."""
         ...
+
+    def first_non_finite(self) -> str | None:
+        """The name of the first param whose gradient on this rank (its
+        owned pieces, as reduced) holds an inf or NaN, or None. Only called
+        after a non-finite gradient norm, so it may be slow."""
+        for piece in self.owned(self.optimizer_params()):
+            grad = piece.opt_param.grad
+            if grad is None:
+                continue
+            window = grad.reshape(-1)[piece.offset : piece.offset + piece.hi - piece.lo]
+            if not bool(torch.isfinite(window).all()):
+                return piece.name
+        return None
 
     def pieces_out(self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor]) -> list[PieceState]:
         """Pieces out: the fp32 master, exp_avg and exp_avg_sq of each owned

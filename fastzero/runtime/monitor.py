@@ -1,5 +1,5 @@
 """Training metrics every ``steps_per_print`` steps: loss, lr, loss scale,
-grad norm, step time, samples/s, peak memory (and with
+grad norm, skipped steps (non-finite gradients) so far, step time, samples/s, peak memory (and with
 ``wall_clock_breakdown`` the forward/backward/step split), to the log and,
 when enabled, to TensorBoard (``torch.utils.tensorboard``, DeepSpeed's tag
 names) and to one CSV file. Rank 0 writes; other ranks only count."""
@@ -25,6 +25,7 @@ TB_TAGS = {  # DeepSpeed's TensorBoard tags, so dashboards carry over
     "grad_norm": "Train/Samples/grad_norm",
     "samples_per_sec": "Train/Samples/samples_per_sec",
     "step_ms": "Train/Samples/step_ms",
+    "skipped_steps": "Train/Samples/skipped_steps",
 }
 
 
@@ -79,6 +80,7 @@ class Monitor:
             lr=engine.get_lr()[0],
             loss_scale=engine.loss_scale,
             grad_norm=engine.grad_norm if engine.grad_norm is not None else float("nan"),
+            skipped_steps=engine.skipped_steps,
             step_ms=1e3 * elapsed / self._steps_since,
             samples_per_sec=engine.train_batch_size() * self._steps_since / elapsed,
             peak_memory_mb=peak_memory_bytes(engine.device) / 2**20,

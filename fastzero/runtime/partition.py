@@ -50,6 +50,8 @@ class FlatGroup(CompressingGroup):
         mode = "all_reduce" if stage == 0 else "reduce_scatter"
         self.reducer = GradReducer(comm, self.layout, mode, shard=self.grad_shard, flat=self.flat_grad, overlap=overlap)
         self._compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major
+        self._reduced = False  # the gradients hold a reduction since they were zeroed
+        self._carry: Tensor | None = None  # stage 0, a second backward: the sum reduced by the first
         self.attach_grads()
 
     def _view(self, flat: Tensor, i: int) -> Tensor:
@@ -71,11 +73,17 @@ class FlatGroup(CompressingGroup):
     # -- what the engine calls around backward ---------------------------------------
     def begin_backward(self, first: bool, boundary: bool) -> None:
         """Before a micro-batch's backward: stage 2 reduces every micro-batch
-        (accumulating after the first), stages 0-1 only on the boundary."""
+        (accumulating after the first), stages 0-1 only on the boundary. A
+        second backward on the boundary accumulates, as PyTorch does: stage 1
+        reduce-scatters the local sum again; stage 0, whose all-reduce works
+        in place, sets the sum it already has aside and adds it back after."""
         self.attach_grads()
         if self.stage == 2:
             self.reducer.begin(accumulate=not first)
         elif boundary:
+            if self.stage == 0 and self._reduced:
+                self._carry = self.flat_grad.clone()
+                self.flat_grad.zero_()
             self.reducer.begin()
 
     def grad_ready(self, i: int, p: Tensor) -> None:
@@ -88,7 +96,12 @@ class FlatGroup(CompressingGroup):
             self.reducer.ready(i)
 
     def end_backward(self) -> None:
+        reduced = self.reducer.active
         self.reducer.finish()
+        self._reduced = self._reduced or reduced
+        if self._carry is not None:
+            self.flat_grad.add_(self._carry)
+            self._carry = None
 
     def unreduced(self) -> bool:
         """Stage 2: gradients that a plain loss.backward() left on the params."""
@@ -149,6 +162,7 @@ class FlatGroup(CompressingGroup):
     def zero_grads(self) -> None:
         if self.flat_grad is not None:
             self.flat_grad.zero_()
+        self._reduced = False
 
     def gather(self) -> list[Handle]:
         return [] if self.stage == 0 else gather_params(self.comm, self.layout, self.flat)

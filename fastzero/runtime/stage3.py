@@ -26,6 +26,7 @@ read and written only through the helpers at the end of this module.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -36,6 +37,12 @@ from fastzero.comm import BufferPool, Comm, FlatLayout, GradReducer, Handle
 from fastzero.runtime.groups import Piece, ZeroGroup
 
 WHOLE = 1 << 62  # one bucket per param
+# what torch says when an op meets a released param (empty, 1-D): a zero-size dim, or a 1-D weight
+EMPTY_PARAM_ERROR = re.compile(r"\(0\)|\[0\]|\b0x\d|\dx0\b|got 1-D|must be 2-D|size 0\b")
+
+
+class Stage3Divergence(RuntimeError):
+    """The ranks ran different modules at stage 3 (a branch that differs across ranks)."""
 
 
 def released_like(p: Tensor) -> Tensor:
@@ -229,9 +236,13 @@ class ParamFetcher:
         prefetch_elements: int,
         max_live: int,
         max_reuse: int,
+        check: Comm | None = None,
     ) -> None:
         self.prefetch_elements, self.max_live, self.max_reuse = prefetch_elements, max_live, max_reuse
         self.root = module
+        # ranks must gather the same params in the same order: `check` (a host-side group) agrees on each forward
+        self.check = check if check is not None and check.world_size > 1 else None
+        self.index = {m: i for i, m in enumerate(module.modules())}
         self.unit_of = {id(u.param): u for g in groups for u in g.units}
         for g in groups:
             g.on_released = self._released
@@ -269,15 +280,21 @@ class ParamFetcher:
         if not unit.persistent:
             self._hook(module, [unit])
 
-    def hint(self) -> str:
-        """For an error raised inside a forward: the module whose forward was
-        running, the partitioned params inside it that were not gathered for
-        it (a param used outside the forward of the module that owns it is
-        empty there), and the fix."""
+    def hint(self, exc: BaseException) -> str | None:
+        """For an error raised inside a forward that looks like the use of a
+        released (empty) param: the module whose forward was running, the
+        partitioned params inside it that were not gathered for it (a param
+        used outside the forward of the module that owns it is empty there),
+        and the fix. None for any other error (a shape error of the model's
+        own, a dead peer)."""
+        if isinstance(exc, Stage3Divergence) or not EMPTY_PARAM_ERROR.search(str(exc)):
+            return None
         active = self.active[-1] if self.active else self.root
         own = {id(u) for u in self.needs.get(active, [])}
         inside = {id(p) for p in active.parameters()}
         names = [u.name for u in self.unit_of.values() if id(u.param) in inside and id(u) not in own and not u.gathered]
+        if not names:
+            return None
         where = self.names.get(active, "") or "the model"
         return (
             f"fastzero ZeRO stage 3: this error came from the forward of {where!r}. If it uses a param outside the "
@@ -351,8 +368,35 @@ class ParamFetcher:
             distance += v.numel
         return False
 
+    # -- agreement across ranks -----------------------------------------------------------
+    def agree(self, m: torch.nn.Module | None) -> None:
+        """Every rank is about to gather for the forward of the same module
+        (`m`), or to start backward (None): one tiny host-side all-reduce.
+        A data-dependent branch that differs across ranks would otherwise
+        issue mismatched all-gathers (a Gloo abort, an NCCL hang); here every
+        rank raises :class:`Stage3Divergence` naming the first diverging module."""
+        if self.check is None:
+            return
+        code = -1 if m is None else self.index[m]
+        t = torch.tensor([code, -code], dtype=torch.int64)
+        self.check.all_reduce(t, "stage3_order", op=torch.distributed.ReduceOp.MAX).wait()
+        if int(t[0]) == -int(t[1]):
+            return
+        codes = self.check.all_gather_objects(code)
+        modules = list(self.index)
+        name = lambda c: self.names[modules[c]] or "the model"
+        what = lambda c: "the start of backward" if c < 0 else f"the forward of {name(c)!r}"
+        each = ", ".join(f"rank {r} is at {what(c)}" for r, c in enumerate(codes))
+        raise Stage3Divergence(
+            f"fastzero ZeRO stage 3: the ranks' forwards diverged ({each}); every rank must run the same modules in "
+            "the same order (a data-dependent branch must take the same path on every rank: decide it on rank 0 "
+            "and broadcast it), or params would be gathered out of step"
+        )
+
     # -- hooks ------------------------------------------------------------------------
     def _before(self, m: torch.nn.Module, forward: bool) -> None:
+        if forward:
+            self.agree(m)
         units = self.needs[m]
         self._fetch(units)
         if forward:
