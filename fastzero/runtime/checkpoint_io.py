@@ -651,7 +651,7 @@ def _validate(manifest: Any, where: Path) -> None:
     need("loss_scaler", "an object or null", lambda v: v is None or isinstance(v, dict))
     if "onebit_errors" in manifest:
         need("onebit_errors", "a bool", lambda v: isinstance(v, bool))
-    shape_ok = lambda s: isinstance(s, list) and all(_is_int(d, 0) for d in s)  # noqa: E731
+    shape_ok = lambda s: isinstance(s, list) and all(_is_int(d, 0) for d in s)
     params = need(
         "params",
         "an object of param name -> shape (a list of ints >= 0)",
@@ -697,7 +697,7 @@ def _validate(manifest: Any, where: Path) -> None:
     )
     if version >= 2:
         files = [*manifest["files"], "extra.pt"]
-        sum_ok = lambda c: isinstance(c, dict) and _is_int(c.get("crc32"), 0, 2**32 - 1) and _is_int(c.get("bytes"), 0)  # noqa: E731
+        sum_ok = lambda c: isinstance(c, dict) and _is_int(c.get("crc32"), 0, 2**32 - 1) and _is_int(c.get("bytes"), 0)
         need(
             "checksums",
             'an object of file name -> {"crc32": int, "bytes": int}, for every rank file and extra.pt',
