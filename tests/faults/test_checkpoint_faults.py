@@ -504,14 +504,19 @@ def test_tied_weights_survive_consolidate_and_save_16bit_model(tmp_path, stage):
         assert torch.equal(module.lm_head.weight, trained_wte)
 
 
-# -- 9. a load that fails on one rank changes no rank ------------------------------------------------------
+# -- 9. a load (or a save) that fails on one rank fails on every rank ----------------------------------------
 def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path):
     """Two ranks; only rank 1's file has a flipped byte: rank 1 raises the
     checksum error, rank 0 that rank 1 failed, and neither engine changed
-    (params, masters, steps, RNG); no rank hangs."""
+    (params, masters, steps, RNG); no rank hangs. Then a save whose write
+    fails on rank 1 only: both ranks raise, the partial save is removed."""
     run_ranks(WORKERS / "checkpoint_agree.py", 2, [tmp_path / "ckpt", tmp_path / "out"], timeout=240)
     r0, r1 = (torch.load(tmp_path / f"out.rank{r}.pt") for r in range(2))
     assert "rank00001.pt: checksum mismatch" in r1["error"], r1["error"]
     assert r0["error"].startswith("CheckpointError: rank 1 failed to validate the checkpoint"), r0["error"]
     assert "nothing was changed on any rank" in r0["error"]
     assert r0["unchanged"] and r1["unchanged"]
+    assert r1["save_error"].startswith("CheckpointSaveError: disk full (ENOSPC"), r1["save_error"]
+    assert r0["save_error"].startswith("CheckpointSaveError: rank 1 failed to write its checkpoint file"), r0
+    for res in (r0, r1):
+        assert res["left"] == ["global_step2", "latest"] and res["latest"] == "global_step2", res

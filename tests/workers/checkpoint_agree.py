@@ -1,9 +1,12 @@
-"""One rank of the cross-rank load agreement test (started by tests/dist.py).
-Arguments: the save directory and the output prefix. Trains the test model
-2 steps at stage 2, saves, rank 0 flips a byte of rank 1's file, then a
-fresh engine on every rank tries to load it; each rank records the error it
-raised and whether its engine changed to `out` + f".rank{rank}.pt"."""
+"""One rank of the cross-rank checkpoint agreement test (started by
+tests/dist.py). Arguments: the save directory and the output prefix. Trains
+the test model 2 steps at stage 2, saves, rank 0 flips a byte of rank 1's
+file, then a fresh engine on every rank tries to load it; then a save whose
+file write fails on rank 1 only (a full disk). Each rank records the errors
+it raised, whether its engine changed and what the failed save left, to
+`out` + f".rank{rank}.pt"."""
 
+import errno
 import sys
 import zipfile
 from pathlib import Path
@@ -73,7 +76,28 @@ def main(save_dir: str, out: str) -> None:
         error = None
     except ckpt.CheckpointError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    torch.save(dict(error=error, unchanged=same(before, state(fresh))), f"{out}.rank{rank}.pt")
+    unchanged = same(before, state(fresh))
+    real_write = ckpt._write
+
+    def full_on_rank_1(path, obj):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, obj)
+
+    ckpt._write = full_on_rank_1
+    try:
+        engine.save_checkpoint(save_dir, tag="second")
+        save_error = None
+    except ckpt.CheckpointError as exc:
+        save_error = f"{type(exc).__name__}: {exc}"
+    ckpt._write = real_write
+    engine.comm.barrier()
+    left = sorted(p.name for p in Path(save_dir).iterdir())
+    latest = (Path(save_dir) / "latest").read_text()
+    torch.save(
+        dict(error=error, unchanged=unchanged, save_error=save_error, left=left, latest=latest),
+        f"{out}.rank{rank}.pt",
+    )
 
 
 if __name__ == "__main__":
