@@ -418,11 +418,13 @@ def _outcomes(comm, error: BaseException | None, payload: Any = None) -> tuple[l
     return [p for _, p in gathered], [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
 
 
-def _raise_failed(error: BaseException | None, failed: list[tuple[int, str]], what: str) -> None:
+def _raise_failed(
+    error: BaseException | None, failed: list[tuple[int, str]], what: str, then: str = "the partial save is removed"
+) -> None:
     if error is not None:
         raise error
     rank, msg = failed[0]
-    raise CheckpointSaveError(f"rank {rank} failed {what} ({msg}); the partial save is removed")
+    raise CheckpointSaveError(f"rank {rank} failed {what} ({msg}); {then}")
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
@@ -544,11 +546,17 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
             error = exc
             if not flipped:
                 abort()
+            elif isinstance(exc, (OSError, CheckpointError)):  # the tag is the new checkpoint: say so
+                error = CheckpointSaveError(
+                    f"{tag_dir} is saved and complete, but finishing the save failed: {exc}; "
+                    f"{LATEST!r} may still name the previous checkpoint"
+                )
+                error.__cause__ = exc
         if flipped:
             _release_lock(lock)
     _, failed = _outcomes(comm, error)
     if failed:
-        _raise_failed(error, failed, "to write the manifest or flip the pointers")
+        _raise_failed(error, failed, "to finish the save", "its error says what was saved")
     return str(tag_dir)
 
 

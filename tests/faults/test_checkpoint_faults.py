@@ -409,6 +409,23 @@ def test_a_full_disk_fails_the_save_cleanly(tmp_path, monkeypatch, fname):
     assert consolidate(tmp_path)["0.weight"].ne(before["0.weight"]).any()
 
 
+def test_a_failure_after_the_flip_says_the_tag_is_saved(tmp_path, monkeypatch):
+    engine = trained(steps=1)
+    engine.save_checkpoint(tmp_path, tag="a")
+    real = ckpt._replace
+
+    def failing(src, dst):
+        if dst.name == "latest":
+            raise OSError(errno.EIO, "I/O error")
+        return real(src, dst)
+
+    monkeypatch.setattr(ckpt, "_replace", failing)
+    with pytest.raises(CheckpointSaveError, match=r"/b is saved and complete, but finishing the save failed"):
+        engine.save_checkpoint(tmp_path, tag="b")
+    assert (tmp_path / "latest").read_text() == "a" and not (tmp_path / ckpt.LOCK).exists()
+    assert consolidate(tmp_path, "b").keys() == consolidate(tmp_path).keys()
+
+
 def test_the_cli_prints_one_error_line_for_every_checkpoint_and_os_error(tmp_path, capsys):
     engine = trained(steps=1)
     engine.save_checkpoint(tmp_path / "c")
