@@ -117,6 +117,7 @@ setup(
             "triton>=3.2",
             "numpy",
             "tensorboard>=2.12",
+            "transformers",  # tests/faults: a tied GPT-2 head through consolidate and save_16bit_model
         ],
         "monitor": ["tensorboard>=2.12"],
         "peers": ["deepspeed>=0.14"],

@@ -1,7 +1,9 @@
 """``python -m fastzero.checkpoint consolidate DIR OUT [--tag TAG]``: a
 fastzero checkpoint (any world size, any stage) to a plain fp32 model
 ``state_dict`` file, loadable with ``model.load_state_dict(torch.load(OUT))``
-(what DeepSpeed's ``zero_to_fp32.py`` does). ``info DIR`` prints the manifest."""
+(what DeepSpeed's ``zero_to_fp32.py`` does). ``info DIR`` prints the manifest.
+Every file is checked against its checksum; a problem is one line,
+``error: ...``, and exit status 2."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import sys
 
 import torch
 
-from fastzero.runtime.checkpoint_io import CheckpointError, consolidate, read_manifest, resolve
+from fastzero.runtime.checkpoint_io import CheckpointError, CheckpointSaveError, consolidate, read_manifest, resolve
 
-__all__ = ["CheckpointError", "consolidate", "main"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "consolidate", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "consolidate":
             sd = consolidate(args.dir, args.tag)
-            torch.save(sd, args.out)
+            with open(args.out, "wb") as f:  # OSError (not torch's RuntimeError) for a missing directory
+                torch.save(sd, f)
             numel = sum(t.numel() for t in sd.values())
             print(f"wrote {args.out}: {len(sd)} tensors, {numel:,} elements")
         else:
@@ -39,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise CheckpointError(f"no 'latest' file in {args.dir}; pass --tag")
             manifest = read_manifest(path)
             manifest.pop("files")
-            print(json.dumps(manifest, indent=1))
-    except CheckpointError as exc:
+            manifest.pop("checksums", None)
+            print(json.dumps({"path": str(path), **manifest}, indent=1))
+    except (CheckpointError, OSError, ValueError) as exc:  # ValueError: an invalid --tag
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -468,11 +468,16 @@ class Engine:
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(
-        self, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+        self,
+        load_dir,
+        tag=None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_strict: bool = True,
     ):
         from fastzero.runtime.checkpoint_io import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict)
 
 
 def initialize(
