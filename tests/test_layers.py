@@ -1,5 +1,7 @@
 """Imports go down only (DESIGN.md, docs/architecture.md): native building
-and loading < ops < config < comm < runtime < entry points and CLIs < bench.
+and loading < ops < config < comm < runtime < entry points and CLIs < bench;
+inside the runtime, the checkpoint's files < its manifest < the rest (the
+engine, and checkpoint_io, which needs it).
 An AST walk over every module of the package (imports at any depth, and
 module paths passed as strings to calls, such as backend registrations and
 importlib.import_module) finds any import of a higher layer."""
@@ -19,6 +21,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("fastzero.ops",)),
     ("config", ("fastzero.config",)),
     ("comm", ("fastzero.comm",)),
+    # the checkpoint's layers with no engine knowledge: the layout on disk, then the manifest
+    ("checkpoint files", ("fastzero.runtime.checkpoint_files",)),
+    ("checkpoint manifest", ("fastzero.runtime.checkpoint_manifest",)),
     ("runtime", ("fastzero.runtime",)),
     ("entry points", ("fastzero", "fastzero.zero", "fastzero.checkpoint", "fastzero.launcher")),
     ("bench", ("fastzero.bench",)),
@@ -123,6 +128,9 @@ def test_the_allowed_edge_is_lazy():
         ("fastzero.runtime.engine", "from fastzero import zero"),
         ("fastzero.ops.backend", "Backend('x', (), (), None, 'fastzero.runtime.engine:Engine')"),  # strings count
         ("fastzero.runtime.engine", "importlib.import_module('fastzero.bench.run')"),
+        ("fastzero.runtime.checkpoint_files", "from fastzero.runtime.checkpoint_manifest import read_manifest"),
+        ("fastzero.runtime.checkpoint_files", "from fastzero.runtime.groups import PieceState"),
+        ("fastzero.runtime.checkpoint_manifest", "from fastzero.runtime import checkpoint_io"),
     ],
 )
 def test_an_upward_import_is_caught(module, source):
@@ -133,6 +141,13 @@ def test_downward_and_sibling_imports_pass():
     assert not violations_in("from fastzero.ops import FusedAdam\nfrom fastzero.comm import Comm", "fastzero.runtime.x")
     assert not violations_in("from ._multi_tensor import work_list", "fastzero.triton_kernels.adam")
     assert not violations_in("from . import kernels", "fastzero.bench", is_package=True)
+    assert not violations_in(
+        "from fastzero.runtime import checkpoint_files\nfrom fastzero.runtime.checkpoint_manifest import read_manifest",
+        "fastzero.runtime.checkpoint_io",
+    )
+    assert not violations_in(
+        "from fastzero.runtime.checkpoint_files import crc32", "fastzero.runtime.checkpoint_manifest"
+    )
 
 
 def test_every_module_is_in_a_layer():

@@ -44,202 +44,45 @@ The engine's state goes through its groups' state API
 ``pieces_in``, ``rank_state``), never through a group's or the optimizer's
 internals, so any group that implements it checkpoints the same way.
 Checkpoints live on a file system every rank sees.
+
+This module holds what needs the engine: save, load (prepare, agree, apply),
+the pieces, the module's state, 1-bit Adam's state, and :func:`consolidate`.
+Below it, :mod:`fastzero.runtime.checkpoint_manifest` holds the manifest's
+format, schema and checked reads, and :mod:`fastzero.runtime.checkpoint_files`
+the layout on disk: tags, every file operation a save makes, the lock, and
+finding a tag's files.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import re
-import shutil
-import socket
-import time
-import uuid
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastzero.runtime import checkpoint_files as files
+from fastzero.runtime.checkpoint_files import CheckpointError, CheckpointSaveError, check_tag, rank_file, resolve
+from fastzero.runtime.checkpoint_manifest import FORMAT, VERSION, read_checked, read_manifest
 from fastzero.runtime.groups import STATE_KEYS, PieceState
 
-FORMAT, VERSION = "fastzero-checkpoint", 2
-READABLE_VERSIONS = (1, 2)  # 1: the tag directory holds the files, no checksums or aliases
-LATEST, POINTER, LOCK = "latest", "current", ".fastzero-save.lock"
-MAX_TAG_BYTES = 200  # below the 255-byte name limit of common file systems, with room for temporaries
-DTYPES = ("float32", "float16", "bfloat16")
-_VERSION_DIR = re.compile(r"step\d+-[0-9a-f]{12}")
-_RANK_FILE = re.compile(r"rank\d{5,}\.pt")
-_LEGACY_FILES = re.compile(r"manifest\.json|extra\.pt|rank\d{5,}\.pt|\.current\.tmp")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-_CHUNK = 1 << 20  # CRC32 is streamed in 1 MiB chunks
+__all__ = [  # with what the other checkpoint modules hold, the public names stay here
+    "FORMAT",
+    "VERSION",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "check_tag",
+    "consolidate",
+    "load_checkpoint",
+    "read_manifest",
+    "resolve",
+    "save_checkpoint",
+]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this engine; nothing was changed."""
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save that could not complete (the disk is full, say): its partial
-    files were removed, ``latest`` and the previous checkpoints are intact."""
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
-
-
-# -- tags ------------------------------------------------------------------------------------------
-def check_tag(tag: str) -> str:
-    """`tag` if it is a valid checkpoint tag, else a ValueError naming the rule.
-
-    A tag is the name of a directory in the save directory, round-tripped
-    exactly through ``latest``: non-empty, at most 200 bytes of UTF-8, no
-    leading or trailing whitespace, no control characters (NUL, newline),
-    no ``/`` or ``\\``, not starting with ``.`` (``.``, ``..`` and hidden names
-    are the layout's own), and not ``latest``."""
-    if not isinstance(tag, str):
-        raise ValueError(f"checkpoint tag {tag!r}: must be a str")
-    rule = None
-    if not tag:
-        rule = "must not be empty"
-    elif tag != tag.strip():
-        rule = "must not begin or end with whitespace"
-    elif any(ord(c) < 32 or ord(c) == 127 for c in tag):
-        rule = "must not contain control characters (NUL, newline, tab, ...)"
-    elif "/" in tag or "\\" in tag:
-        rule = "must not contain '/' or '\\' (a tag is one directory name)"
-    elif tag.startswith("."):
-        rule = "must not start with '.' ('.', '..' and hidden names are the checkpoint layout's own)"
-    elif tag == LATEST:
-        rule = f"must not be {LATEST!r} (the file that names the newest tag)"
-    else:
-        try:
-            size = len(tag.encode("utf-8"))
-        except UnicodeEncodeError:
-            rule = "must be valid Unicode (it has a lone surrogate)"
-        else:
-            if size > MAX_TAG_BYTES:
-                rule = f"must be at most {MAX_TAG_BYTES} bytes of UTF-8 (it has {size})"
-    if rule is not None:
-        raise ValueError(f"checkpoint tag {tag!r}: {rule}")
-    return tag
-
-
-# -- the file operations a save makes (module-level, so the fault tests can intercept each one) -----
-class _CrcWriter:
-    """A file wrapper that computes the CRC32 and size of what passes through."""
-
-    def __init__(self, f) -> None:
-        self.f, self.crc, self.size = f, 0, 0
-
-    def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _write(path: Path, obj: Any) -> dict[str, int]:
-    """``torch.save`` to `path`, fsynced; returns the file's ``crc32`` and ``bytes``."""
-    with open(path, "wb") as f:
-        w = _CrcWriter(f)
-        torch.save(obj, w)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"crc32": w.crc, "bytes": w.size}
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _mkdir(path: Path) -> None:
-    path.mkdir()
-
-
-def _create_exclusive(path: Path, text: str) -> None:
-    """Creates `path` with `text`; FileExistsError when it exists (O_CREAT | O_EXCL)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace(src: Path, dst: Path) -> None:
-    os.replace(src, dst)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rmtree(path: Path) -> None:
-    shutil.rmtree(path)
-
-
-def _unlink(path: Path) -> None:
-    os.unlink(path)
-
-
-def _rmdir(path: Path) -> None:
-    os.rmdir(path)
-
-
-# -- saving ----------------------------------------------------------------------------------------
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
-def _disk_full(path: Path, nbytes: int, exc: OSError) -> CheckpointSaveError:
-    try:
-        free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
-    except OSError:
-        free = "free space unknown"
-    return CheckpointSaveError(
-        f"disk full ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}) while writing {path}: "
-        f"{nbytes:,} bytes of tensors to write, {free} on its file system; the partial save is removed and "
-        "'latest' and the previous checkpoints are intact"
-    )
-
-
-def _save_file(path: Path, obj: Any) -> dict[str, int]:
-    try:
-        return _write(path, obj)
-    except OSError as exc:
-        if exc.errno in _DISK_FULL:
-            raise _disk_full(path, _tensor_bytes(obj), exc) from exc
-        raise
-
-
-def _save_text(path: Path, text: str) -> None:
-    try:
-        _write_text(path, text)
-    except OSError as exc:
-        if exc.errno in _DISK_FULL:
-            raise _disk_full(path, 0, exc) from exc
-        raise
-
-
+# -- the engine's state: its groups, the module's other names, 1-bit Adam's errors -----------------
 def _groups(engine):
     """Each ZeRO group with the optimizer's tensors for it."""
     return [(g, og["params"]) for g, og in zip(engine.groups, engine.optimizer.param_groups)]
@@ -317,104 +160,11 @@ def _load_onebit_state(engine, saved: dict | None, same_world: bool, had_errors:
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # it exists under another user (or the pid is not one we can ask about)
-    return True
-
-
-def _acquire_lock(root: Path, tag: str) -> Path:
-    """Takes the save lock of `root` for this process (rank 0), or raises a
-    CheckpointError naming the save that holds it."""
-    lock = root / LOCK
-    host = socket.gethostname()
-    me = json.dumps({"host": host, "pid": os.getpid(), "started": time.time(), "tag": tag})
-    for _ in range(3):
-        try:
-            _create_exclusive(lock, me)
-            return lock
-        except FileExistsError:
-            pass
-        try:
-            owner = json.loads(lock.read_text())
-            who = (owner["host"], int(owner["pid"]), float(owner["started"]), owner.get("tag"))
-        except FileNotFoundError:
-            continue  # released meanwhile: try again
-        except (OSError, ValueError, KeyError, TypeError):
-            raise CheckpointError(
-                f"{root}: the save lock {lock} exists but its owner is unreadable (a save that crashed while "
-                "taking it?); if no save into this directory is running, remove the file"
-            ) from None
-        o_host, o_pid, o_started, o_tag = who
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(o_started))
-        if o_host == host and not _pid_alive(o_pid):
-            warnings.warn(
-                f"{lock}: taking over a stale save lock (pid {o_pid} on {o_host}, since {since}, tag {o_tag!r}: "
-                "that process is gone)",
-                stacklevel=4,
-            )
-            try:
-                _unlink(lock)
-            except FileNotFoundError:
-                pass
-            continue
-        raise CheckpointError(
-            f"{root}: another job is saving into this directory (lock {lock} held by pid {o_pid} on host "
-            f"{o_host} since {since}, tag {o_tag!r}); two saves into one directory would mix their files. "
-            "If that job is dead, remove the lock file"
-        )
-    raise CheckpointError(f"{root}: could not take the save lock {lock} (it keeps changing hands)")
-
-
-def _release_lock(lock: Path | None) -> None:
-    if lock is None:
-        return
-    try:
-        _unlink(lock)
-    except FileNotFoundError:
-        pass
-    except Exception as exc:  # the save itself is complete (or already failed): say so, do not mask it
-        warnings.warn(f"could not remove the save lock {lock}: {exc}; remove it by hand", stacklevel=4)
-
-
-def _remove_quietly(path: Path, what: str) -> None:
-    try:
-        if path.is_dir():
-            _rmtree(path)
-        elif path.exists():
-            _unlink(path)
-    except Exception as exc:
-        warnings.warn(f"could not remove {what} {path}: {exc}; the next save of this tag removes it", stacklevel=4)
-
-
-def _remove_old_versions(tag_dir: Path, keep: str) -> None:
-    """After the flip: the tag's other versions (the replaced one, those of
-    interrupted saves) and the files of the first layout go."""
-    legacy = [p for p in tag_dir.iterdir() if p.is_file() and _LEGACY_FILES.fullmatch(p.name)]
-    legacy.sort(key=lambda p: p.name != "manifest.json")  # the manifest first: a half-removed save is no checkpoint
-    for p in legacy:
-        _remove_quietly(p, "a file of the replaced checkpoint")
-    for p in tag_dir.iterdir():
-        if p.is_dir() and p.name != keep and _VERSION_DIR.fullmatch(p.name):
-            _remove_quietly(p, "the replaced checkpoint")
-
-
-def _all_gather_objects(comm, obj) -> list:
-    if comm.world_size == 1:
-        return [obj]
-    out = [None] * comm.world_size
-    torch.distributed.all_gather_object(out, obj, group=comm.group)
-    return out
-
-
+# -- saving ----------------------------------------------------------------------------------------
 def _outcomes(comm, error: BaseException | None, payload: Any = None) -> tuple[list, list[tuple[int, str]]]:
     """Every rank's payload, and which ranks failed (with their message)."""
     msg = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = _all_gather_objects(comm, (msg, payload))
+    gathered = comm.all_gather_objects((msg, payload))
     return [p for _, p in gathered], [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
 
 
@@ -446,24 +196,24 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
 
     def abort() -> None:  # rank 0, before the flip: the new version goes, the old one was never touched
         if version is not None:
-            _remove_quietly(tag_dir / version, "the partial save")
+            files.remove_quietly(tag_dir / version, "the partial save")
         if created:
             try:
-                _rmdir(tag_dir)
+                files.rmdir(tag_dir)
             except OSError:
                 pass
-        _release_lock(lock)
+        files.release_lock(lock)
 
     # 1. rank 0 takes the lock and makes the version directory; everyone learns its name
     if comm.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            lock = _acquire_lock(root, tag)
+            lock = files.acquire_lock(root, tag)
             created = not tag_dir.exists()
             if created:
-                _mkdir(tag_dir)
-            version = f"step{engine.global_steps}-{uuid.uuid4().hex[:12]}"
-            _mkdir(tag_dir / version)
+                files.mkdir(tag_dir)
+            version = files.new_version(engine.global_steps)
+            files.mkdir(tag_dir / version)
         except Exception as exc:
             error = exc
             abort()
@@ -484,7 +234,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
                     tensors = {k: v.detach().float().cpu().clone() for k, v in piece.tensors.items()}
                     pieces.append({"name": piece.name, "lo": piece.lo, "hi": piece.hi, **tensors})
         own = {"pieces": pieces, "rng": torch.get_rng_state(), "onebit": _onebit_state(engine)}
-        info = _save_file(path / _rank_file(comm.rank), own)
+        info = files.save_file(path / rank_file(comm.rank), own)
         index = [[p["name"], p["lo"], p["hi"]] for p in pieces]
     except Exception as exc:
         error = exc
@@ -502,8 +252,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
             module_state = {k: v.detach().cpu().clone() for k, v in rest.items()}
             sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
             extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
-            checksums = {_rank_file(r): inf for r, (_, inf) in enumerate(payloads)}
-            checksums["extra.pt"] = _save_file(path / "extra.pt", extra)
+            checksums = {rank_file(r): inf for r, (_, inf) in enumerate(payloads)}
+            checksums["extra.pt"] = files.save_file(path / "extra.pt", extra)
             manifest = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -525,23 +275,23 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
                     for g, og in zip(engine.groups, engine.optimizer.param_groups)
                 ],
                 "params": {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)},
-                "files": {_rank_file(r): idx for r, (idx, _) in enumerate(payloads)},
+                "files": {rank_file(r): idx for r, (idx, _) in enumerate(payloads)},
                 "checksums": checksums,
                 "aliases": aliases,
             }
-            _save_text(path / "manifest.json", json.dumps(manifest, indent=1))
-            _fsync_dir(path)
-            _save_text(tag_dir / ".current.tmp", version)
-            _replace(tag_dir / ".current.tmp", tag_dir / POINTER)
+            files.save_text(path / "manifest.json", json.dumps(manifest, indent=1))
+            files.fsync_dir(path)
+            files.save_text(tag_dir / ".current.tmp", version)
+            files.replace(tag_dir / ".current.tmp", tag_dir / files.POINTER)
             flipped = True  # from here the tag is the new checkpoint
-            _fsync_dir(tag_dir)
+            files.fsync_dir(tag_dir)
             if created:
-                _fsync_dir(root)
+                files.fsync_dir(root)
             if save_latest:
-                _save_text(root / ".latest.tmp", tag)
-                _replace(root / ".latest.tmp", root / LATEST)
-                _fsync_dir(root)
-            _remove_old_versions(tag_dir, keep=version)
+                files.save_text(root / ".latest.tmp", tag)
+                files.replace(root / ".latest.tmp", root / files.LATEST)
+                files.fsync_dir(root)
+            files.remove_old_versions(tag_dir, keep=version)
         except Exception as exc:
             error = exc
             if not flipped:
@@ -549,219 +299,18 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
             elif isinstance(exc, (OSError, CheckpointError)):  # the tag is the new checkpoint: say so
                 error = CheckpointSaveError(
                     f"{tag_dir} is saved and complete, but finishing the save failed: {exc}; "
-                    f"{LATEST!r} may still name the previous checkpoint"
+                    f"{files.LATEST!r} may still name the previous checkpoint"
                 )
                 error.__cause__ = exc
         if flipped:
-            _release_lock(lock)
+            files.release_lock(lock)
     _, failed = _outcomes(comm, error)
     if failed:
         _raise_failed(error, failed, "to finish the save", "its error says what was saved")
     return str(tag_dir)
 
 
-# -- finding and validating ------------------------------------------------------------------------
-def _tags(root: Path) -> list[str]:
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if (p / POINTER).is_file() or (p / "manifest.json").is_file())
-
-
-def _locate(load_dir, tag=None) -> tuple[Path, Path] | None:
-    """(the tag's directory, the directory of its complete files) for `tag`,
-    or for the tag ``latest`` names (None when there is no ``latest``)."""
-    root = Path(load_dir)
-    if tag is None:
-        latest = root / LATEST
-        try:
-            text = latest.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{latest} is unreadable: {exc}") from None
-        try:
-            tag = check_tag(text.strip())
-        except ValueError as exc:
-            raise CheckpointError(f"{latest} does not name a checkpoint: {exc}") from None
-    else:
-        tag = check_tag(str(tag))
-    tag_dir = root / tag
-    pointer = tag_dir / POINTER
-    if pointer.is_file():
-        try:
-            version = pointer.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{pointer} is unreadable: {exc}") from None
-        if not _VERSION_DIR.fullmatch(version):
-            raise CheckpointError(f"{pointer} is corrupt: {version[:80]!r} is not a checkpoint version's name")
-        data = tag_dir / version
-        if not (data / "manifest.json").is_file():
-            raise CheckpointError(f"{pointer} names {version}, which has no manifest.json: the checkpoint is damaged")
-        return tag_dir, data
-    if (tag_dir / "manifest.json").is_file():  # the first layout: the tag's directory holds the files
-        return tag_dir, tag_dir
-    hint = ""
-    leftovers = [p.name for p in (root / f".{tag}.old", root / f".{tag}.tmp") if (p / "manifest.json").is_file()]
-    if leftovers:
-        hint = (
-            f"; a save by an older fastzero was interrupted and left a complete checkpoint in {leftovers[0]}: "
-            f"rename it to {tag} to load it"
-        )
-    elif tag_dir.is_dir():
-        hint = " (an interrupted first save of this tag?)"
-    raise CheckpointError(
-        f"{tag_dir} is not a fastzero checkpoint (no {POINTER} and no manifest.json){hint}; "
-        f"checkpoints in {root}: {_tags(root)}"
-    )
-
-
-def resolve(load_dir, tag=None) -> Path | None:
-    """The directory of the checkpoint's files (``manifest.json``) for `tag`,
-    or for the tag ``latest`` names (None when there is no ``latest``)."""
-    located = _locate(load_dir, tag)
-    return None if located is None else located[1]
-
-
-def _is_int(v: Any, lo: int | None = None, hi: int | None = None) -> bool:
-    return type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)
-
-
-def _validate(manifest: Any, where: Path) -> None:
-    """The manifest against its schema: a CheckpointError naming the first
-    field that is missing or of the wrong type."""
-
-    def bad(field: str, expected: str, value: Any = None, missing: bool = False) -> CheckpointError:
-        found = "it is missing" if missing else f"found {type(value).__name__} {value!r:.80}"
-        return CheckpointError(f"{where}: field {field!r} must be {expected}; {found}")
-
-    def need(field: str, expected: str, ok) -> Any:
-        if field not in manifest:
-            raise bad(field, expected, missing=True)
-        if not ok(manifest[field]):
-            raise bad(field, expected, manifest[field])
-        return manifest[field]
-
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{where}: the manifest must be a JSON object; found {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{where.parent} is not a fastzero checkpoint (format {manifest.get('format')!r})")
-    version = manifest.get("version")
-    if version not in READABLE_VERSIONS or type(version) is not int:
-        raise CheckpointError(
-            f"{where.parent} is a fastzero checkpoint of version {version!r}; this fastzero reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}"
-        )
-    need("world_size", "an int >= 1", lambda v: _is_int(v, 1))
-    need("stage", "an int in 0..3", lambda v: _is_int(v, 0, 3))
-    need("dtype", f"one of {DTYPES}", lambda v: v in DTYPES)
-    for field in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
-        need(field, "an int >= 0", lambda v: _is_int(v, 0))
-    need("loss_scaler", "an object or null", lambda v: v is None or isinstance(v, dict))
-    if "onebit_errors" in manifest:
-        need("onebit_errors", "a bool", lambda v: isinstance(v, bool))
-    shape_ok = lambda s: isinstance(s, list) and all(_is_int(d, 0) for d in s)
-    params = need(
-        "params",
-        "an object of param name -> shape (a list of ints >= 0)",
-        lambda v: isinstance(v, dict) and all(shape_ok(s) for s in v.values()),
-    )
-    need(
-        "groups",
-        'a list of objects {"step": int >= 0, "names": [param names], "hyper": object}',
-        lambda v: (
-            isinstance(v, list)
-            and all(
-                isinstance(g, dict)
-                and _is_int(g.get("step"), 0)
-                and isinstance(g.get("names"), list)
-                and all(isinstance(n, str) and n in params for n in g["names"])
-                and isinstance(g.get("hyper"), dict)
-                for g in v
-            )
-        ),
-    )
-    numel = {n: int(torch.Size(s).numel()) for n, s in params.items()}
-    need(
-        "files",
-        "an object of rank file name (rankNNNNN.pt) -> list of [param name, lo, hi] with 0 <= lo <= hi <= numel",
-        lambda v: (
-            isinstance(v, dict)
-            and all(
-                isinstance(f, str)
-                and _RANK_FILE.fullmatch(f)
-                and isinstance(index, list)
-                and all(
-                    isinstance(e, list)
-                    and len(e) == 3
-                    and isinstance(e[0], str)
-                    and e[0] in numel
-                    and _is_int(e[1], 0)
-                    and _is_int(e[2], e[1], numel[e[0]])
-                    for e in index
-                )
-                for f, index in v.items()
-            )
-        ),
-    )
-    if version >= 2:
-        files = [*manifest["files"], "extra.pt"]
-        sum_ok = lambda c: isinstance(c, dict) and _is_int(c.get("crc32"), 0, 2**32 - 1) and _is_int(c.get("bytes"), 0)
-        need(
-            "checksums",
-            'an object of file name -> {"crc32": int, "bytes": int}, for every rank file and extra.pt',
-            lambda v: isinstance(v, dict) and all(sum_ok(v.get(f)) for f in files),
-        )
-        need(
-            "aliases",
-            "an object of state_dict name -> the name of a param in 'params'",
-            lambda v: isinstance(v, dict) and all(isinstance(a, str) and c in params for a, c in v.items()),
-        )
-
-
-def read_manifest(path: Path) -> dict:
-    """The manifest of the checkpoint files in `path`, validated."""
-    where = Path(path) / "manifest.json"
-    try:
-        manifest = json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{where} is unreadable or corrupt: {exc}") from None
-    _validate(manifest, where)
-    return manifest
-
-
-def _crc32(path: Path) -> tuple[int, int]:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return crc, size
-
-
-def _read(path: Path, fname: str, manifest: dict, weights_only: bool = True) -> Any:
-    """``torch.load`` of checkpoint file `fname`, after checking its size and
-    CRC32 against the manifest (version 2; version 1 has no checksums)."""
-    file = path / fname
-    want = manifest.get("checksums", {}).get(fname) if manifest["version"] >= 2 else None
-    if want is not None:
-        try:
-            crc, size = _crc32(file)
-        except OSError as exc:
-            raise CheckpointError(f"{file} is missing or unreadable: {exc}") from None
-        if size != want["bytes"]:
-            raise CheckpointError(
-                f"{file} has {size} bytes; the manifest records {want['bytes']} (truncated or replaced)"
-            )
-        if crc != want["crc32"]:
-            raise CheckpointError(
-                f"{file}: checksum mismatch, expected CRC32 {want['crc32']:08x}, found {crc:08x}; the file is corrupt"
-            )
-    try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only)
-    except Exception as exc:  # torch raises many kinds for a truncated or foreign file
-        raise CheckpointError(f"{file} is unreadable or corrupt ({type(exc).__name__}: {exc})") from None
-
-
+# -- reading and checking what a load needs --------------------------------------------------------
 def _pieces(
     path: Path, manifest: dict, wanted: dict[str, list[tuple[int, int]]], cache: dict[str, Any] | None = None
 ) -> dict[str, list[PieceState]]:
@@ -773,7 +322,7 @@ def _pieces(
     for fname, index in manifest["files"].items():
         if not any(n in wanted and any(lo < w_hi and w_lo < hi for w_lo, w_hi in wanted[n]) for n, lo, hi in index):
             continue
-        data = cache[fname] = _read(path, fname, manifest)
+        data = cache[fname] = read_checked(path, fname, manifest)
         if not isinstance(data, dict) or not isinstance(data.get("pieces"), list):
             raise CheckpointError(f"{path / fname} holds no list of pieces; the file is corrupt")
         for piece in data["pieces"]:
@@ -794,7 +343,7 @@ def _pieces(
 
 
 def _read_extra(path: Path, manifest: dict) -> dict:
-    extra = _read(path, "extra.pt", manifest, weights_only=False)  # client state may hold any object
+    extra = read_checked(path, "extra.pt", manifest, weights_only=False)  # client state may hold any object
     if not isinstance(extra, dict) or not isinstance(extra.get("module_state"), dict):
         raise CheckpointError(f"{path / 'extra.pt'} holds no module_state; the file is corrupt")
     return extra
@@ -863,7 +412,7 @@ class _Ready:
 
 
 def _prepare(engine, load_dir, tag, strict: bool) -> _Ready | None:
-    located = _locate(load_dir, tag)
+    located = files.locate(load_dir, tag)
     if located is None:
         return None
     tag_dir, path = located
@@ -873,15 +422,15 @@ def _prepare(engine, load_dir, tag, strict: bool) -> _Ready | None:
     for g, opt_params in _groups(engine):
         for piece in g.owned(opt_params):
             wanted.setdefault(piece.name, []).append((piece.lo, piece.hi))
-    files: dict[str, Any] = {}
-    pieces = _pieces(path, manifest, wanted, files)
+    read: dict[str, Any] = {}
+    pieces = _pieces(path, manifest, wanted, read)
     extra = _read_extra(path, manifest)
     module_state, missing, unexpected = _module_state(engine, extra["module_state"], path, strict)
     same_world = manifest["world_size"] == engine.comm.world_size
     own_file = {}
     if same_world:
-        name = _rank_file(engine.comm.rank)
-        own_file = files[name] if name in files else _read(path, name, manifest)
+        name = rank_file(engine.comm.rank)
+        own_file = read[name] if name in read else read_checked(path, name, manifest)
         if not isinstance(own_file, dict):
             raise CheckpointError(f"{path / name} is not a rank file; the file is corrupt")
     return _Ready(tag_dir, manifest, pieces, extra, module_state, missing, unexpected, own_file, same_world)
@@ -980,8 +529,7 @@ def _apply(engine, ready: _Ready, load_optimizer_states: bool, load_lr_scheduler
     rng = ready.own_file.get("rng")
     if rng is not None:
         torch.set_rng_state(rng)
-    for g in engine.groups:
-        g.zero_grads()
+    engine._zero_grads()
 
 
 def consolidate(load_dir, tag=None) -> dict[str, torch.Tensor]:

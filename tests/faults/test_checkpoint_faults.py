@@ -20,6 +20,7 @@ import torch
 
 import fastzero
 from fastzero.checkpoint import main as checkpoint_cli
+from fastzero.runtime import checkpoint_files as files
 from fastzero.runtime import checkpoint_io as ckpt
 from fastzero.runtime.checkpoint_io import CheckpointError, CheckpointSaveError, consolidate
 from tests.dist import run_ranks
@@ -28,8 +29,8 @@ from tests.runtime.test_engine_single import batches, cfg
 from tests.workers.checkpoint_agree import flip_byte
 from tests.workers.train_zero import make_model
 
-# every file operation a save makes, as checkpoint_io names them
-FILE_OPS = ("_mkdir", "_create_exclusive", "_write", "_write_text", "_replace", "_fsync_dir", "_rmtree", "_unlink")
+# every file operation a save makes, as checkpoint_files names them (the save and the lock call them there)
+FILE_OPS = ("mkdir", "_create_exclusive", "_write", "_write_text", "replace", "fsync_dir", "_rmtree", "_unlink")
 
 
 def run_engine(engine, data):
@@ -73,7 +74,7 @@ def dead_pid() -> int:
 
 
 def write_lock(root, host, pid, tag="other"):
-    (root / ckpt.LOCK).write_text(json.dumps({"host": host, "pid": pid, "started": time.time(), "tag": tag}))
+    (root / files.LOCK).write_text(json.dumps({"host": host, "pid": pid, "started": time.time(), "tag": tag}))
 
 
 def to_first_layout(tag_dir):
@@ -83,7 +84,7 @@ def to_first_layout(tag_dir):
     for f in data.iterdir():
         f.rename(tag_dir / f.name)
     data.rmdir()
-    (tag_dir / ckpt.POINTER).unlink()
+    (tag_dir / files.POINTER).unlink()
     manifest = json.loads((tag_dir / "manifest.json").read_text())
     manifest["version"] = 1
     del manifest["checksums"], manifest["aliases"]
@@ -98,8 +99,8 @@ class Crash(Exception):
 def intercept(monkeypatch, on_call):
     """Routes each of FILE_OPS through on_call(name, real, args)."""
     for name in FILE_OPS:
-        real = getattr(ckpt, name)
-        monkeypatch.setattr(ckpt, name, lambda *a, _n=name, _r=real: on_call(_n, _r, a))
+        real = getattr(files, name)
+        monkeypatch.setattr(files, name, lambda *a, _n=name, _r=real: on_call(_n, _r, a))
 
 
 def check_complete(root, old: dict, new: dict, probe) -> str:
@@ -139,7 +140,7 @@ def test_a_crash_at_every_step_of_replacing_a_tag_leaves_a_complete_checkpoint(t
     shutil.copytree(template, tmp_path / "count")
     engine.save_checkpoint(tmp_path / "count", tag="t")
     monkeypatch.undo()
-    assert {"_create_exclusive", "_write", "_replace", "_fsync_dir", "_unlink"} <= set(calls), calls
+    assert {"_create_exclusive", "_write", "replace", "fsync_dir", "_unlink"} <= set(calls), calls
     assert ("_rmtree" in calls) == (layout == "versioned")  # the replaced version; the first layout's are files
 
     outcomes = set()
@@ -167,9 +168,9 @@ def test_a_crash_at_every_step_of_replacing_a_tag_leaves_a_complete_checkpoint(t
         assert crashed.is_dir(), f"operation {k} of {calls} was not reached"
         for state in (crashed, root):
             outcomes.add(check_complete(state, old, new, probe))
-        if at != [("_unlink", (root / ckpt.LOCK,))]:  # unless removing it was what failed
-            assert not (root / ckpt.LOCK).exists(), "the failed save kept its lock"
-        lock = crashed / ckpt.LOCK
+        if at != [("_unlink", (root / files.LOCK,))]:  # unless removing it was what failed
+            assert not (root / files.LOCK).exists(), "the failed save kept its lock"
+        lock = crashed / files.LOCK
         if lock.exists():  # the crashed process is gone: its lock is stale
             owner = json.loads(lock.read_text())
             write_lock(crashed, owner["host"], dead_pid())
@@ -178,7 +179,7 @@ def test_a_crash_at_every_step_of_replacing_a_tag_leaves_a_complete_checkpoint(t
         else:
             engine.save_checkpoint(crashed, tag="t")
         assert same_dict(consolidate(crashed), new) and same_dict(consolidate(crashed, "t"), new)
-        assert sorted(p.name for p in (crashed / "t").iterdir() if p.name != ckpt.POINTER) == versions(crashed / "t")
+        assert sorted(p.name for p in (crashed / "t").iterdir() if p.name != files.POINTER) == versions(crashed / "t")
         assert len(versions(crashed / "t")) == 1 and not lock.exists(), "leftovers of the crash remain"
     assert outcomes == {"old", "new"}
 
@@ -259,7 +260,7 @@ def test_unusual_tags_round_trip_exactly(tmp_path, capsys):
         assert ckpt.resolve(tmp_path, tag).parent == tmp_path / tag
         assert checkpoint_cli(["info", str(tmp_path), "--tag", tag]) == 0
         assert json.loads(capsys.readouterr().out)["global_steps"] == 1
-    assert sorted(ckpt._tags(tmp_path)) == sorted(GOOD_TAGS)
+    assert sorted(files._tags(tmp_path)) == sorted(GOOD_TAGS)
 
 
 # -- 3. the save lock --------------------------------------------------------------------------------
@@ -270,10 +271,10 @@ def test_a_save_lock_held_by_a_live_job_is_refused(tmp_path):
     try:
         for host, pid in ((socket.gethostname(), sleeper.pid), ("elsewhere.example", dead_pid())):
             write_lock(tmp_path, host, pid)
-            held = (tmp_path / ckpt.LOCK).read_text()
+            held = (tmp_path / files.LOCK).read_text()
             with pytest.raises(CheckpointError, match=f"another job is saving .* pid {pid} on host {host}"):
                 engine.save_checkpoint(tmp_path, tag="b")
-            assert (tmp_path / ckpt.LOCK).read_text() == held  # not ours to remove
+            assert (tmp_path / files.LOCK).read_text() == held  # not ours to remove
             assert not (tmp_path / "b").exists() and (tmp_path / "latest").read_text() == "a"
             assert versions(tmp_path / "a") == [ckpt.resolve(tmp_path).name]
     finally:
@@ -286,20 +287,20 @@ def test_a_stale_lock_is_taken_over_and_every_save_releases_its_lock(tmp_path, m
     write_lock(tmp_path, socket.gethostname(), dead_pid())
     with pytest.warns(UserWarning, match="taking over a stale save lock"):
         engine.save_checkpoint(tmp_path, tag="a")
-    assert not (tmp_path / ckpt.LOCK).exists()
+    assert not (tmp_path / files.LOCK).exists()
     seen = []
-    real = ckpt._write
+    real = files._write
 
     def failing(path, obj):
-        seen.append(json.loads((tmp_path / ckpt.LOCK).read_text()))  # held while the files are written
+        seen.append(json.loads((tmp_path / files.LOCK).read_text()))  # held while the files are written
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(ckpt, "_write", failing)
+    monkeypatch.setattr(files, "_write", failing)
     with pytest.raises(OSError, match="I/O error"):
         engine.save_checkpoint(tmp_path, tag="b")
     assert seen[0]["pid"] == __import__("os").getpid() and seen[0]["tag"] == "b"
-    assert not (tmp_path / ckpt.LOCK).exists() and not (tmp_path / "b").exists()
-    monkeypatch.setattr(ckpt, "_write", real)
+    assert not (tmp_path / files.LOCK).exists() and not (tmp_path / "b").exists()
+    monkeypatch.setattr(files, "_write", real)
     engine.save_checkpoint(tmp_path, tag="b")
 
 
@@ -319,7 +320,7 @@ def test_a_flipped_byte_is_refused_by_load_and_consolidate(tmp_path):
         flip_byte(data / fname)
         torch.load(data / fname, weights_only=False)  # the flip is invisible to torch.load
         want = manifest["checksums"][fname]["crc32"]
-        found = ckpt._crc32(data / fname)[0]
+        found = files.crc32(data / fname)[0]
         message = f"{fname}: checksum mismatch, expected CRC32 {want:08x}, found {found:08x}"
         other, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 1}))
         with pytest.raises(CheckpointError, match=message):
@@ -384,14 +385,14 @@ def test_a_full_disk_fails_the_save_cleanly(tmp_path, monkeypatch, fname):
     before = consolidate(tmp_path)
     good = versions(tmp_path / "good")
     run_engine(engine, batches(1, seed=9))
-    real = ckpt._write
+    real = files._write
 
     def full(path, obj):
         if path.name == fname:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, obj)
 
-    monkeypatch.setattr(ckpt, "_write", full)
+    monkeypatch.setattr(files, "_write", full)
     numel = sum(p.numel() for p in engine.module.parameters())
     # rank00000.pt: the fp32 master, exp_avg and exp_avg_sq of every element, and the RNG state (bytes)
     nbytes = 3 * 4 * numel + torch.get_rng_state().numel() if fname == "rank00000.pt" else 0
@@ -402,9 +403,9 @@ def test_a_full_disk_fails_the_save_cleanly(tmp_path, monkeypatch, fname):
         assert f"/{tag}/step3-" in msg and fname in msg, msg
         assert f"{nbytes:,} bytes of tensors to write" in msg and "bytes free" in msg, msg
         assert (tmp_path / "latest").read_text() == "good" and not (tmp_path / "next").exists()
-        assert versions(tmp_path / "good") == good and not (tmp_path / ckpt.LOCK).exists()
+        assert versions(tmp_path / "good") == good and not (tmp_path / files.LOCK).exists()
         assert same_dict(consolidate(tmp_path), before)
-    monkeypatch.setattr(ckpt, "_write", real)
+    monkeypatch.setattr(files, "_write", real)
     engine.save_checkpoint(tmp_path, tag="good")
     assert consolidate(tmp_path)["0.weight"].ne(before["0.weight"]).any()
 
@@ -412,17 +413,17 @@ def test_a_full_disk_fails_the_save_cleanly(tmp_path, monkeypatch, fname):
 def test_a_failure_after_the_flip_says_the_tag_is_saved(tmp_path, monkeypatch):
     engine = trained(steps=1)
     engine.save_checkpoint(tmp_path, tag="a")
-    real = ckpt._replace
+    real = files.replace
 
     def failing(src, dst):
         if dst.name == "latest":
             raise OSError(errno.EIO, "I/O error")
         return real(src, dst)
 
-    monkeypatch.setattr(ckpt, "_replace", failing)
+    monkeypatch.setattr(files, "replace", failing)
     with pytest.raises(CheckpointSaveError, match=r"/b is saved and complete, but finishing the save failed"):
         engine.save_checkpoint(tmp_path, tag="b")
-    assert (tmp_path / "latest").read_text() == "a" and not (tmp_path / ckpt.LOCK).exists()
+    assert (tmp_path / "latest").read_text() == "a" and not (tmp_path / files.LOCK).exists()
     assert consolidate(tmp_path, "b").keys() == consolidate(tmp_path).keys()
 
 

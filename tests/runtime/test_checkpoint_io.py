@@ -9,6 +9,7 @@ import torch
 
 import fastzero
 from fastzero.checkpoint import consolidate
+from fastzero.runtime import checkpoint_files as files
 from fastzero.runtime import checkpoint_io as ckpt
 from fastzero.runtime.checkpoint_io import CheckpointError
 from fastzero.runtime.groups import STATE_KEYS, PieceState, ZeroGroup
@@ -93,21 +94,21 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     engine.save_checkpoint(tmp_path, tag="good")
     before = {k: v.clone() for k, v in consolidate(tmp_path).items()}
     run_engine(engine, batches(2, seed=9))
-    real_write = ckpt._write
+    real_write = files._write
 
     def failing_write(path, obj):
         if path.name == "extra.pt":
             raise OSError("disk full")
         return real_write(path, obj)
 
-    monkeypatch.setattr(ckpt, "_write", failing_write)
+    monkeypatch.setattr(files, "_write", failing_write)
     for tag in ("next", "good"):  # a new tag, and overwriting the old one
         with pytest.raises(OSError, match="disk full"):
             engine.save_checkpoint(tmp_path, tag=tag)
         assert (tmp_path / "latest").read_text() == "good" and not (tmp_path / "next").exists()
         after = consolidate(tmp_path)
         assert all(torch.equal(after[k], v) for k, v in before.items())
-    monkeypatch.setattr(ckpt, "_write", real_write)
+    monkeypatch.setattr(files, "_write", real_write)
     fresh, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 1}))
     path, _ = fresh.load_checkpoint(tmp_path)
     assert path.endswith("good") and fresh.global_steps == 2

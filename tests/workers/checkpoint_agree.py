@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import fastzero
+from fastzero.runtime import checkpoint_files as files
 from fastzero.runtime import checkpoint_io as ckpt
 from tests.workers.train_zero import MICRO, config, global_batch, make_model
 
@@ -77,20 +78,20 @@ def main(save_dir: str, out: str) -> None:
     except ckpt.CheckpointError as exc:
         error = f"{type(exc).__name__}: {exc}"
     unchanged = same(before, state(fresh))
-    real_write = ckpt._write
+    real_write = files._write
 
     def full_on_rank_1(path, obj):
         if rank == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(path, obj)
 
-    ckpt._write = full_on_rank_1
+    files._write = full_on_rank_1
     try:
         engine.save_checkpoint(save_dir, tag="second")
         save_error = None
     except ckpt.CheckpointError as exc:
         save_error = f"{type(exc).__name__}: {exc}"
-    ckpt._write = real_write
+    files._write = real_write
     engine.comm.barrier()
     left = sorted(p.name for p in Path(save_dir).iterdir())
     latest = (Path(save_dir) / "latest").read_text()

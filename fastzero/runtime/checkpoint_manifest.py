@@ -1,0 +1,149 @@
+"""The checkpoint's manifest (``manifest.json``): its format and version,
+its schema and the check of a manifest against it, and reading a
+checkpoint file after checking its size and CRC32 against the manifest.
+The overview (layout and guarantees) is in :mod:`fastzero.runtime.checkpoint_io`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastzero.runtime.checkpoint_files import RANK_FILE, CheckpointError, crc32
+
+FORMAT, VERSION = "fastzero-checkpoint", 2
+READABLE_VERSIONS = (1, 2)  # 1: the tag directory holds the files, no checksums or aliases
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _is_int(v: Any, lo: int | None = None, hi: int | None = None) -> bool:
+    return type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)
+
+
+def _validate(manifest: Any, where: Path) -> None:
+    """The manifest against its schema: a CheckpointError naming the first
+    field that is missing or of the wrong type."""
+
+    def bad(field: str, expected: str, value: Any = None, missing: bool = False) -> CheckpointError:
+        found = "it is missing" if missing else f"found {type(value).__name__} {value!r:.80}"
+        return CheckpointError(f"{where}: field {field!r} must be {expected}; {found}")
+
+    def need(field: str, expected: str, ok) -> Any:
+        if field not in manifest:
+            raise bad(field, expected, missing=True)
+        if not ok(manifest[field]):
+            raise bad(field, expected, manifest[field])
+        return manifest[field]
+
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where}: the manifest must be a JSON object; found {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where.parent} is not a fastzero checkpoint (format {manifest.get('format')!r})")
+    version = manifest.get("version")
+    if version not in READABLE_VERSIONS or type(version) is not int:
+        raise CheckpointError(
+            f"{where.parent} is a fastzero checkpoint of version {version!r}; this fastzero reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
+    need("world_size", "an int >= 1", lambda v: _is_int(v, 1))
+    need("stage", "an int in 0..3", lambda v: _is_int(v, 0, 3))
+    need("dtype", f"one of {DTYPES}", lambda v: v in DTYPES)
+    for field in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+        need(field, "an int >= 0", lambda v: _is_int(v, 0))
+    need("loss_scaler", "an object or null", lambda v: v is None or isinstance(v, dict))
+    if "onebit_errors" in manifest:
+        need("onebit_errors", "a bool", lambda v: isinstance(v, bool))
+    shape_ok = lambda s: isinstance(s, list) and all(_is_int(d, 0) for d in s)
+    params = need(
+        "params",
+        "an object of param name -> shape (a list of ints >= 0)",
+        lambda v: isinstance(v, dict) and all(shape_ok(s) for s in v.values()),
+    )
+    need(
+        "groups",
+        'a list of objects {"step": int >= 0, "names": [param names], "hyper": object}',
+        lambda v: (
+            isinstance(v, list)
+            and all(
+                isinstance(g, dict)
+                and _is_int(g.get("step"), 0)
+                and isinstance(g.get("names"), list)
+                and all(isinstance(n, str) and n in params for n in g["names"])
+                and isinstance(g.get("hyper"), dict)
+                for g in v
+            )
+        ),
+    )
+    numel = {n: int(torch.Size(s).numel()) for n, s in params.items()}
+    need(
+        "files",
+        "an object of rank file name (rankNNNNN.pt) -> list of [param name, lo, hi] with 0 <= lo <= hi <= numel",
+        lambda v: (
+            isinstance(v, dict)
+            and all(
+                isinstance(f, str)
+                and RANK_FILE.fullmatch(f)
+                and isinstance(index, list)
+                and all(
+                    isinstance(e, list)
+                    and len(e) == 3
+                    and isinstance(e[0], str)
+                    and e[0] in numel
+                    and _is_int(e[1], 0)
+                    and _is_int(e[2], e[1], numel[e[0]])
+                    for e in index
+                )
+                for f, index in v.items()
+            )
+        ),
+    )
+    if version >= 2:
+        files = [*manifest["files"], "extra.pt"]
+        sum_ok = lambda c: isinstance(c, dict) and _is_int(c.get("crc32"), 0, 2**32 - 1) and _is_int(c.get("bytes"), 0)
+        need(
+            "checksums",
+            'an object of file name -> {"crc32": int, "bytes": int}, for every rank file and extra.pt',
+            lambda v: isinstance(v, dict) and all(sum_ok(v.get(f)) for f in files),
+        )
+        need(
+            "aliases",
+            "an object of state_dict name -> the name of a param in 'params'",
+            lambda v: isinstance(v, dict) and all(isinstance(a, str) and c in params for a, c in v.items()),
+        )
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of the checkpoint files in `path`, validated."""
+    where = Path(path) / "manifest.json"
+    try:
+        manifest = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{where} is unreadable or corrupt: {exc}") from None
+    _validate(manifest, where)
+    return manifest
+
+
+def read_checked(path: Path, fname: str, manifest: dict, weights_only: bool = True) -> Any:
+    """``torch.load`` of checkpoint file `fname`, after checking its size and
+    CRC32 against the manifest (version 2; version 1 has no checksums)."""
+    file = path / fname
+    want = manifest.get("checksums", {}).get(fname) if manifest["version"] >= 2 else None
+    if want is not None:
+        try:
+            crc, size = crc32(file)
+        except OSError as exc:
+            raise CheckpointError(f"{file} is missing or unreadable: {exc}") from None
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"{file} has {size} bytes; the manifest records {want['bytes']} (truncated or replaced)"
+            )
+        if crc != want["crc32"]:
+            raise CheckpointError(
+                f"{file}: checksum mismatch, expected CRC32 {want['crc32']:08x}, found {crc:08x}; the file is corrupt"
+            )
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except Exception as exc:  # torch raises many kinds for a truncated or foreign file
+        raise CheckpointError(f"{file} is unreadable or corrupt ({type(exc).__name__}: {exc})") from None
