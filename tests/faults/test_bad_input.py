@@ -88,3 +88,133 @@ def test_the_command_line_error_has_no_traceback(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == ["fastzero: error: --nproc_per_node 0: must be >= 1 and <= 1024"]
+
+
+# ---------------------------------------------------------------------------
+# FASTZERO_* environment variables
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "-inf", "abc", "1e300", "30s"])
+def test_a_bad_dist_timeout_is_refused_by_name(value):
+    from fastzero.comm.env import init_distributed
+
+    with pytest.raises(ValueError, match=rf"FASTZERO_DIST_TIMEOUT='{value}'.*must be a finite number > 0"):
+        init_distributed(environ={"FASTZERO_DIST_TIMEOUT": value})
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "60", True])
+def test_a_bad_timeout_argument_is_refused(value):
+    from fastzero.comm.env import init_distributed
+
+    with pytest.raises(ValueError, match="timeout_s=.*must be a number of seconds > 0"):
+        init_distributed(timeout_s=value, environ={})
+
+
+def test_a_bad_dist_backend_is_refused_by_name():
+    from fastzero.comm.env import init_distributed
+
+    with pytest.raises(ValueError, match="FASTZERO_DIST_BACKEND='gloox' is not one of gloo, nccl, mpi, ucc"):
+        init_distributed(environ={"FASTZERO_DIST_BACKEND": "gloox"})
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "off"])
+def test_fastzero_jit_must_be_0_or_1(monkeypatch, value):
+    from fastzero.native import loader
+
+    monkeypatch.setenv("FASTZERO_JIT", value)
+    with pytest.raises(ValueError, match=f"FASTZERO_JIT='{value}': it must be 1 or 0"):
+        loader.jit_allowed()
+    monkeypatch.delenv("FASTZERO_CUDA_LIB", raising=False)
+    monkeypatch.setattr(loader, "_prebuilt_cuda_library", lambda: None)
+    loader._load_cuda.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="FASTZERO_JIT"):  # consulted where a build would start
+            loader._load_cuda()
+    finally:
+        loader._load_cuda.cache_clear()
+    for ok, allowed in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("FASTZERO_JIT", ok)
+        assert loader.jit_allowed() is allowed
+
+
+def test_fastzero_cuda_lib_must_name_a_file(monkeypatch, tmp_path):
+    from fastzero.native import loader
+
+    monkeypatch.setenv("FASTZERO_CUDA_LIB", str(tmp_path / "libnone.so"))
+    with pytest.raises(ValueError, match="FASTZERO_CUDA_LIB=.*libnone.so': no such file"):
+        loader._prebuilt_cuda_library()
+    monkeypatch.setenv("FASTZERO_CUDA_LIB", str(tmp_path))
+    with pytest.raises(ValueError, match="FASTZERO_CUDA_LIB=.*: a directory"):
+        loader._prebuilt_cuda_library()
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("FASTZERO_CUDA_LIB", str(lib))
+    assert loader._prebuilt_cuda_library() == lib
+
+
+@pytest.mark.parametrize("value", ["sm_8x", "80;abc", "8", "80;-90", "1000"])
+def test_fastzero_cuda_archs_format(monkeypatch, value):
+    from fastzero.native import loader
+
+    monkeypatch.setenv("FASTZERO_CUDA_ARCHS", value)
+    with pytest.raises(ValueError, match="FASTZERO_CUDA_ARCHS=.*is not a CUDA architecture"):
+        loader._cuda_archs()
+
+
+def test_fastzero_cuda_archs_spellings(monkeypatch):
+    from fastzero.native import loader
+
+    monkeypatch.setenv("FASTZERO_CUDA_ARCHS", "sm_80, 90a;100;80")
+    assert loader._cuda_archs() == ("80", "90a", "100")
+
+
+def test_fastzero_cache_dir_must_not_be_a_file(monkeypatch, tmp_path):
+    from fastzero.native import build
+
+    not_dir = tmp_path / "file"
+    not_dir.write_text("")
+    monkeypatch.setenv("FASTZERO_CACHE_DIR", str(not_dir))
+    with pytest.raises(ValueError, match="FASTZERO_CACHE_DIR=.*is not a directory"):
+        build.cache_dir()
+    monkeypatch.setenv("FASTZERO_CACHE_DIR", str(tmp_path / "new"))
+    assert build.cache_dir() == tmp_path / "new"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FASTZERO_CACHE_DIR", "~/c")
+    assert build.cache_dir() == tmp_path / "c"
+
+
+def test_fastzero_backend_is_checked_by_the_shared_helper(monkeypatch):
+    from fastzero.ops.backend import forced_backend
+
+    monkeypatch.setenv("FASTZERO_BACKEND", " CPU ")
+    assert forced_backend() == "cpu"
+    monkeypatch.setenv("FASTZERO_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="FASTZERO_BACKEND='gpu' is not one of cuda, triton, cpu, reference"):
+        forced_backend()
+
+
+@pytest.mark.parametrize("name", ["FASTZERO_BUILD_NATIVE", "FASTZERO_BUILD_CUDA", "FASTZERO_BUILD_STRICT"])
+def test_setup_refuses_a_bad_build_switch(name):
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "--name"],
+        cwd=REPO,
+        env=dict(os.environ, **{name: "yes"}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and f"{name}='yes': it must be 1 or 0" in proc.stderr
+
+
+def test_env_helpers():
+    from fastzero.native.envvars import env_choice, env_flag, env_float, env_path
+
+    assert env_float("X", 3.0, environ={}) == 3.0 and env_float("X", 3.0, environ={"X": " "}) == 3.0
+    assert env_float("X", 3.0, min_exclusive=0, environ={"X": "2.5"}) == 2.5
+    with pytest.raises(ValueError, match=r"X='-1': it must be a finite number >= 0 \(or unset\)"):
+        env_float("X", 1.0, minimum=0, environ={"X": "-1"})
+    assert env_choice("X", ("a", "b"), "a", environ={}) == "a"
+    assert env_flag("X", False, environ={"X": "1"}) is True
+    assert env_path("X", environ={}) is None
