@@ -218,3 +218,148 @@ def test_env_helpers():
     assert env_choice("X", ("a", "b"), "a", environ={}) == "a"
     assert env_flag("X", False, environ={"X": "1"}) is True
     assert env_path("X", environ={}) is None
+
+
+# ---------------------------------------------------------------------------
+# Op arguments
+
+
+def _optimizers():
+    from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
+    from fastzero.runtime.onebit_adam import OneBitAdam
+
+    return [FusedAdam, CPUAdam, FusedLamb, OneBitAdam]
+
+
+def _param():
+    import torch
+
+    return torch.nn.Parameter(torch.ones(3))
+
+
+@pytest.mark.parametrize("cls", _optimizers(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("lr", "1e-3", r"learning rate \(lr\) must be a real number, got str '1e-3'"),
+        ("eps", None, "eps must be a real number, got NoneType None"),
+        ("weight_decay", [1], "weight_decay must be a real number"),
+        ("lr", float("nan"), r"invalid learning rate \(lr\) nan: it must be a finite number"),
+        ("betas", (0.9,), r"betas must be a pair \(beta1, beta2\), got \(0.9,\)"),
+        ("betas", 0.9, r"betas must be a pair \(beta1, beta2\), got 0.9"),
+        ("betas", (0.9, 0.99, 0.1), r"betas must be a pair"),
+        ("betas", ("0.9", 0.99), "beta1 must be a real number, got str '0.9'"),
+        ("bias_correction", 2, "bias_correction must be True or False, got 2"),
+        ("bias_correction", "yes", "bias_correction must be True or False, got 'yes'"),
+    ],
+)
+@pytest.mark.parametrize("where", ["keyword", "param group"])
+def test_a_bad_hyperparameter_is_named(cls, name, value, match, where):
+    """As a keyword or in a torch-style param group dict, at construction (not at the first step)."""
+    with pytest.raises((TypeError, ValueError), match=match) as info:
+        if where == "keyword":
+            cls([_param()], **{name: value})
+        else:
+            cls([{"params": [_param()]}, {"params": [_param()], name: value}])
+    if where == "param group":
+        assert str(info.value).startswith("param group 1: ")
+
+
+def test_adamw_mode_must_be_a_bool():
+    from fastzero.ops import CPUAdam, FusedAdam
+
+    with pytest.raises(TypeError, match="FusedAdam: adam_w_mode must be True or False, got 'yes'"):
+        FusedAdam([_param()], adam_w_mode="yes")
+    with pytest.raises(TypeError, match="CPUAdam: adamw_mode must be True or False, got 'no'"):
+        CPUAdam([_param()], adamw_mode="no")
+
+
+@pytest.mark.parametrize("value", ["1.0", None, [1], float("nan"), -1.0, True])
+def test_onebit_max_grad_norm_is_named(value):
+    from fastzero.runtime.onebit_adam import OneBitAdam
+
+    with pytest.raises(ValueError, match="OneBitAdam max_grad_norm=.*must be a number >= 0"):
+        OneBitAdam([_param()], max_grad_norm=value)
+
+
+def _attention(heads=2, block=4, **kw):
+    from fastzero.ops import DenseSparsityConfig, SparseAttention
+
+    return SparseAttention(DenseSparsityConfig(heads, block=block), max_seq_length=16, **kw)
+
+
+def _qkv(*shape, dtype=None):
+    import torch
+
+    make = (lambda: torch.randn(*shape)) if dtype is None else (lambda: torch.ones(*shape, dtype=dtype))
+    return make(), make(), make()
+
+
+@pytest.mark.parametrize(
+    "qkv, match",
+    [
+        (lambda: _qkv(1, 2, 8, 0), r"\(1, 2, 8, 0\) \[batch, heads, seq, head_dim\] have head_dim = 0"),
+        (lambda: _qkv(1, 2, 0, 4), "have seq = 0; seq must be >= 1"),
+        (lambda: _qkv(2, 8, 4), r"must be \[batch, heads, seq, head_dim\]; got \(2, 8, 4\)"),
+        (lambda: _qkv(1, 3, 8, 4), "query has 3 heads, the sparsity config 2"),
+        (lambda: _qkv(1, 2, 8, 4, dtype=__import__("torch").int64), "dtype torch.int64: SparseAttention takes"),
+        (lambda: ([1.0], [1.0], [1.0]), "query must be a torch.Tensor"),
+    ],
+)
+def test_sparse_attention_names_a_bad_input(qkv, match):
+    with pytest.raises(ValueError, match=match):
+        _attention()(*qkv())
+
+
+def test_sparse_attention_batch_0_is_legal():
+    assert _attention()(*_qkv(0, 2, 7, 4)).shape == (0, 2, 7, 4)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: _attention(block=0), "block must be an integer >= 1, got 0"),
+        (lambda: _attention(block=-4), "block must be an integer >= 1, got -4"),
+        (lambda: _attention(heads=0), "num_heads must be an integer >= 1, got 0"),
+        (lambda: _attention(softmax_scale="0.1"), "softmax_scale must be a finite number"),
+        (lambda: _attention(softmax_scale=float("inf")), "softmax_scale must be a finite number"),
+    ],
+)
+def test_sparse_attention_names_a_bad_setting(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_sparse_attention_max_seq_length_and_module_arguments():
+    from fastzero.ops import DenseSparsityConfig, SparseAttention
+
+    with pytest.raises(ValueError, match="max_seq_length must be an integer >= 1, got 0"):
+        SparseAttention(DenseSparsityConfig(2, block=4), max_seq_length=0)
+    with pytest.raises(ValueError, match="sparsity_config must be a sparsity config"):
+        SparseAttention({"block": 4})
+
+
+def test_block_sparse_attention_names_a_bad_block_or_length():
+    import torch
+
+    from fastzero.ops import block_sparse_attention
+
+    q, k, v = _qkv(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="block must be an integer >= 1, got 0"):
+        block_sparse_attention(q, k, v, torch.ones(2, 2, 2), 0)
+    q, k, v = _qkv(1, 2, 6, 4)
+    with pytest.raises(ValueError, match="seq 6 is not a multiple of the block 4"):
+        block_sparse_attention(q, k, v, torch.ones(2, 1, 1), 4)
+    with pytest.raises(ValueError, match="layout must be a torch.Tensor"):
+        block_sparse_attention(*_qkv(1, 2, 8, 4), [[1]], 4)
+
+
+def test_pad_to_block_size_names_a_bad_block():
+    import torch
+
+    from fastzero.ops import pad_to_block_size
+
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
+        pad_to_block_size(0, input_ids=torch.ones(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="needs input_ids"):
+        pad_to_block_size(4)
