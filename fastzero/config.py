@@ -231,6 +231,9 @@ SCHEDULER_PARAMS = {
     ),
 }
 OPTIONAL_NONE = {"cycle_second_step_size", "cycle_second_stair_count"}  # None means "same as the first"
+# Step counts the schedules divide by or count down from (fastzero.runtime.lr_schedules' constructor checks,
+# mirrored here so that a config that loads also builds): at least 1. Every other count may be 0.
+SCHEDULER_MIN_ONE = ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size", "cycle_first_step_size")
 
 
 @dataclass(frozen=True)
@@ -400,6 +403,11 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
             params[name] = _check_value(path, value, dict(kind="int", low=0))
         else:
             params[name] = _check_value(path, value, dict(kind="float", low=0.0))
+    if key == "lamb" and params["min_coeff"] > params["max_coeff"]:
+        raise ConfigError(
+            f"optimizer.params.min_coeff = {params['min_coeff']!r}: must be <= optimizer.params.max_coeff "
+            f"({params['max_coeff']!r}), the trust ratio's bounds"
+        )
     if key == "onebitadam" and params["freeze_step"] < 1:
         raise ConfigError(
             f"optimizer.params.freeze_step = {params['freeze_step']}: must be >= 1, the uncompressed warm-up steps "
@@ -429,7 +437,8 @@ def _resolve_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
         elif isinstance(default, bool):
             params[name] = _check_value(path, value, dict(kind="bool"))
         elif isinstance(default, int) or name.endswith(("_steps", "_step_size", "_stair_count")):
-            params[name] = _check_value(path, value, dict(kind="int", low=0))
+            low = 1 if name in SCHEDULER_MIN_ONE else 0
+            params[name] = _check_value(path, value, dict(kind="int", low=low))
         else:
             params[name] = _check_value(path, value, dict(kind="float", low=0.0))
     return replace(sched, params=params)

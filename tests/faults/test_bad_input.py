@@ -363,3 +363,129 @@ def test_pad_to_block_size_names_a_bad_block():
         pad_to_block_size(0, input_ids=torch.ones(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="needs input_ids"):
         pad_to_block_size(4)
+
+
+# ---------------------------------------------------------------------------
+# Config files
+
+
+def _write(tmp_path, text: str | bytes):
+    path = tmp_path / "ds_config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, key_path",
+    [
+        ('{"train_batch_size": 8, "train_batch_size": 16}', "train_batch_size"),
+        ('{"train_batch_size": 8, "zero_optimization": {"stage": 1, "stage": 2}}', "zero_optimization.stage"),
+        (
+            '{"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "lr": 1e-2}}}',
+            "optimizer.params.lr",
+        ),
+        ('{"train_batch_size": 8, "x": [{"a": 1}, {"a": 1, "a": 2}]}', r"x\[1\].a"),
+    ],
+)
+def test_a_duplicate_key_is_refused_with_its_path(tmp_path, text, key_path):
+    from fastzero.config import ConfigError, load_config
+
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"config file {path}: {key_path}: the key '\w+' appears twice"):
+        load_config(path)
+
+
+def test_a_non_utf8_config_file_is_refused_with_its_path(tmp_path):
+    from fastzero.config import ConfigError, load_config
+
+    path = _write(tmp_path, b'{"train_batch_size": 8, "x": "\xff"}')
+    with pytest.raises(ConfigError, match=rf"config file {path} is not UTF-8 text"):
+        load_config(path)
+
+
+def test_a_directory_as_config_file_is_refused_with_its_path(tmp_path):
+    from fastzero.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"config file {tmp_path} is a directory"):
+        load_config(tmp_path)
+
+
+def test_errors_from_a_file_name_the_file_and_the_key(tmp_path):
+    from fastzero.config import ConfigError, load_config
+
+    text = '{"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}'
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"config file {path}: scheduler.params.warmup_num_steps = 0: must be >= 1"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^scheduler.params.warmup_num_steps = 0: must be >= 1"):
+        load_config({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}})
+
+
+@pytest.mark.parametrize(
+    "schedule, key",
+    [
+        ("WarmupLR", "warmup_num_steps"),
+        ("WarmupDecayLR", "total_num_steps"),
+        ("WarmupDecayLR", "warmup_num_steps"),
+        ("WarmupCosineLR", "total_num_steps"),
+        ("WarmupCosineLR", "warmup_num_steps"),
+        ("OneCycle", "cycle_first_step_size"),
+        ("LRRangeTest", "lr_range_test_step_size"),
+    ],
+)
+def test_a_step_count_the_schedule_refuses_is_refused_at_load(schedule, key):
+    from fastzero.config import ConfigError, load_config
+
+    params = {"total_num_steps": 10, "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, key: 0}
+    params = {k: v for k, v in params.items() if k == key or k in _scheduler_defaults(schedule)}
+    with pytest.raises(ConfigError, match=rf"scheduler.params.{key} = 0: must be >= 1"):
+        load_config({"train_batch_size": 8, "scheduler": {"type": schedule, "params": params}})
+
+
+def _scheduler_defaults(schedule):
+    from fastzero.config import SCHEDULER_PARAMS
+
+    return SCHEDULER_PARAMS[schedule]
+
+
+def _edge_cases():
+    from fastzero.config import SCHEDULER_PARAMS
+
+    for schedule, defaults in SCHEDULER_PARAMS.items():
+        for key, default in defaults.items():
+            if not isinstance(default, bool | str):
+                for value in (0, 1, 2, 10**9, 0.0, 0.5, 1e30):
+                    yield schedule, key, value
+
+
+@pytest.mark.parametrize("schedule, key, value", list(_edge_cases()))
+def test_a_schedule_the_config_accepts_builds_and_steps(schedule, key, value):
+    """Every numeric scheduler parameter at its edges: refused at load, or the
+    schedule builds and gives finite learning rates (nothing fails later)."""
+    import math
+
+    import torch
+
+    from fastzero.config import ConfigError, load_config
+    from fastzero.runtime.lr_schedules import SCHEDULES
+
+    params = {"total_num_steps": 10, "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}
+    params = {k: v for k, v in params.items() if k in _scheduler_defaults(schedule)} | {key: value}
+    try:
+        cfg = load_config({"train_batch_size": 8, "scheduler": {"type": schedule, "params": params}})
+    except ConfigError as exc:
+        assert f"scheduler.params.{key}" in str(exc)
+        return
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], lr=1e-3)
+    sched = SCHEDULES[schedule](opt, **cfg.scheduler.params)
+    for _ in range(25):
+        sched.step()
+        assert all(math.isfinite(lr) for lr in sched.get_last_lr())
+
+
+def test_lamb_trust_ratio_bounds_are_checked_at_load():
+    from fastzero.config import ConfigError, load_config
+
+    opt = {"type": "Lamb", "params": {"min_coeff": 5.0, "max_coeff": 1.0}}
+    with pytest.raises(ConfigError, match=r"optimizer.params.min_coeff = 5.0: must be <= optimizer.params.max_coeff"):
+        load_config({"train_batch_size": 8, "optimizer": opt})
