@@ -34,6 +34,9 @@ AGENT_PID = "_FASTZERO_AGENT_PID"  # set by the agent for its workers: who their
 WORKER_FLAG = "--worker"
 EOF_FLAG = "--exit_on_stdin_eof"
 
+# libc for prctl, loaded once here: a preexec_fn (after fork, before exec) must not load libraries.
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """Asks the kernel to send `sig` to this process when its parent dies
@@ -45,9 +48,6 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     _libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
-
-
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def exit_code_of(exitcode: int) -> int:
@@ -106,9 +106,10 @@ def agent(argv: list[str]) -> int:
     try:
         torchrun_main(torchrun_argv(argv))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"fastzero: {exc}", file=sys.stderr, flush=True)
-        return exit_code_of(failure.exitcode) or 1
+        _, failure = exc.get_first_failure()
+        code = exit_code_of(failure.exitcode) or 1
+        print(f"fastzero: the training script failed (exit code {code}):\n{exc}", file=sys.stderr, flush=True)
+        return code
     except SignalException as exc:
         print(f"fastzero: torchrun stopped by {exc.sigval.name}; workers shut down", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
