@@ -19,7 +19,17 @@ HERE = Path(__file__).resolve().parent
 build = runpy.run_path(str(HERE / "fastzero" / "native" / "build.py"))
 
 
-STRICT = os.environ.get("CI") == "true" or os.environ.get("FASTZERO_BUILD_STRICT") == "1"
+def flag(name: str, default: bool) -> bool:
+    """A FASTZERO_BUILD_* switch: 1 or 0 (or unset); anything else stops the
+    install with the name (fastzero.native.envvars' rule; not importable here)."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise SystemExit(f"fastzero setup: {name}={raw!r}: it must be 1 or 0 (or unset)")
+    return default if raw == "" else raw == "1"
+
+
+STRICT = os.environ.get("CI") == "true" or flag("FASTZERO_BUILD_STRICT", False)
+BUILD_CUDA = flag("FASTZERO_BUILD_CUDA", False)
 
 
 class OptionalBuildExt(build_ext):
@@ -42,10 +52,10 @@ class OptionalBuildExt(build_ext):
     def run_cuda(self):
         """FASTZERO_BUILD_CUDA=1: build the CUDA kernels now (nvcc; sm_80 and
         sm_90, or FASTZERO_CUDA_ARCHS) instead of on first use."""
-        if os.environ.get("FASTZERO_BUILD_CUDA") != "1":
+        if not BUILD_CUDA:
             return
-        archs = [a.strip() for a in os.environ.get("FASTZERO_CUDA_ARCHS", "").replace(",", ";").split(";") if a.strip()]
-        objects = build["compile_objects"](Path(self.build_temp) / "cuda", archs=tuple(archs) or build["CUDA_ARCHS"])
+        archs = build["parse_cuda_archs"](os.environ.get("FASTZERO_CUDA_ARCHS", ""))
+        objects = build["compile_objects"](Path(self.build_temp) / "cuda", archs=archs or build["CUDA_ARCHS"])
         in_tree = self.inplace or getattr(self, "editable_mode", False)  # pip install -e: beside the sources
         package_dir = HERE / "fastzero" if in_tree else Path(self.build_lib) / "fastzero"
         package_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +72,7 @@ MAPPED = {"fastzero.triton_kernels": "triton_kernels", "fastzero._csrc": "csrc",
 
 
 def extensions():
-    if os.environ.get("FASTZERO_BUILD_NATIVE", "1") == "0":
+    if not flag("FASTZERO_BUILD_NATIVE", True):
         return []
     try:
         from pybind11.setup_helpers import Pybind11Extension

@@ -234,6 +234,9 @@ SCHEDULER_PARAMS = {
     ),
 }
 OPTIONAL_NONE = {"cycle_second_step_size", "cycle_second_stair_count"}  # None means "same as the first"
+# Step counts the schedules divide by or count down from (fastzero.runtime.lr_schedules' constructor checks,
+# mirrored here so that a config that loads also builds): at least 1. Every other count may be 0.
+SCHEDULER_MIN_ONE = ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size", "cycle_first_step_size")
 
 
 @dataclass(frozen=True)
@@ -406,6 +409,11 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
             params[name] = _check_value(path, value, dict(kind="int", low=0))
         else:
             params[name] = _check_value(path, value, dict(kind="float", low=0.0))
+    if key == "lamb" and params["min_coeff"] > params["max_coeff"]:
+        raise ConfigError(
+            f"optimizer.params.min_coeff = {params['min_coeff']!r}: must be <= optimizer.params.max_coeff "
+            f"({params['max_coeff']!r}), the trust ratio's bounds"
+        )
     if key == "onebitadam" and params["freeze_step"] < 1:
         raise ConfigError(
             f"optimizer.params.freeze_step = {params['freeze_step']}: must be >= 1, the uncompressed warm-up steps "
@@ -435,7 +443,8 @@ def _resolve_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
         elif isinstance(default, bool):
             params[name] = _check_value(path, value, dict(kind="bool"))
         elif isinstance(default, int) or name.endswith(("_steps", "_step_size", "_stair_count")):
-            params[name] = _check_value(path, value, dict(kind="int", low=0))
+            low = 1 if name in SCHEDULER_MIN_ONE else 0
+            params[name] = _check_value(path, value, dict(kind="int", low=low))
         else:
             params[name] = _check_value(path, value, dict(kind="float", low=0.0))
     return replace(sched, params=params)
@@ -501,21 +510,71 @@ def _check_combinations(cfg: Config) -> None:
         check_optimizer(cfg.optimizer.type, zero.stage, offload=zero.offload_optimizer.device != "none")
 
 
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs, duplicates kept, until
+    :func:`_objects` turns it into a dict knowing where it sits."""
+
+
+def _objects(value: Any, path: str) -> Any:
+    """`value` with every :class:`_Pairs` a dict; a key given twice in one
+    object is a ConfigError naming it and its path (json keeps the last one
+    silently, so one of the two settings would be lost)."""
+    if isinstance(value, _Pairs):
+        out: dict = {}
+        for key, item in value:
+            where = f"{path}.{key}" if path else key
+            if key in out:
+                raise ConfigError(f"{where}: the key {key!r} appears twice in one object; keep one")
+            out[key] = _objects(item, where)
+        return out
+    if isinstance(value, list):
+        return [_objects(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def read_config_file(path: str | Path) -> Any:
+    """The JSON of a config file, every object a dict; ConfigError naming the
+    file when it is missing, a directory, unreadable, not UTF-8 or not JSON,
+    or when an object repeats a key."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; name the JSON file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_Pairs)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    try:
+        return _objects(raw, "")
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
 def load_config(config: str | Path | dict, world_size: int = 1) -> Config:
     """Parses and validates a DeepSpeed config (a path to a JSON file, or a
-    dict) for a run of `world_size` data-parallel ranks."""
+    dict) for a run of `world_size` data-parallel ranks. Loaded from a file,
+    every error names the file too."""
     if isinstance(config, (str, Path)):
-        path = Path(config)
+        raw = read_config_file(config)
         try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
-    elif isinstance(config, dict):
-        raw = config
-    else:
-        raise ConfigError(f"config must be a path or a dict, got {type(config).__name__}")
+            return _validate(raw, world_size)
+        except ConfigError as exc:
+            raise type(exc)(f"config file {config}: {exc}") from None
+    if isinstance(config, dict):
+        return _validate(config, world_size)
+    raise ConfigError(f"config must be a path or a dict, got {type(config).__name__}")
+
+
+def _validate(raw: dict, world_size: int) -> Config:
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size = {world_size!r}: must be an integer >= 1")
     cfg = _parse(Config, raw, "")

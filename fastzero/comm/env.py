@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastzero.native.envvars import env_choice, env_float
+
 DEFAULT_PORT = 29500
+# What FASTZERO_DIST_BACKEND may name: torch.distributed's backends.
+DIST_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+# The longest collective timeout taken: ~31 years (datetime.timedelta overflows near 8.6e13 s).
+MAX_TIMEOUT_S = 1e9
 
 
 @dataclass(frozen=True)
@@ -90,13 +96,24 @@ def default_backend() -> str:
 def init_distributed(backend: str | None = None, timeout_s: float | None = None, environ=None) -> DistEnv:
     """Joins (or, alone, forms) the default process group. A rank that never
     arrives, or dies, makes the others fail after `timeout_s` seconds
-    (default: ``FASTZERO_DIST_TIMEOUT`` or 1800) with torch.distributed's
-    error instead of hanging. ``FASTZERO_DIST_BACKEND`` overrides the backend."""
+    (default: ``FASTZERO_DIST_TIMEOUT`` or 1800; a finite number > 0) with
+    torch.distributed's error instead of hanging. ``FASTZERO_DIST_BACKEND``
+    (gloo, nccl, mpi or ucc) overrides the automatic backend. A bad setting
+    raises ValueError naming it."""
     env = dist_env(environ)
     environ = os.environ if environ is None else environ
     if timeout_s is None:
-        timeout_s = float(environ.get("FASTZERO_DIST_TIMEOUT", 1800))
-    backend = backend or environ.get("FASTZERO_DIST_BACKEND")
+        timeout_s = env_float(
+            "FASTZERO_DIST_TIMEOUT", 1800.0, min_exclusive=0.0, maximum=MAX_TIMEOUT_S, environ=environ
+        )
+    else:
+        try:
+            ok = not isinstance(timeout_s, (bool, str)) and 0 < float(timeout_s) <= MAX_TIMEOUT_S
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"timeout_s={timeout_s!r}: it must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
+    backend = backend or env_choice("FASTZERO_DIST_BACKEND", DIST_BACKENDS, environ=environ)
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise RuntimeError(

@@ -73,9 +73,19 @@ def common_source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """Where just-in-time builds go: $FASTZERO_CACHE_DIR, else ~/.cache/fastzero."""
-    root = os.environ.get("FASTZERO_CACHE_DIR") or Path.home() / ".cache" / "fastzero"
-    return Path(root)
+    """Where just-in-time builds go: $FASTZERO_CACHE_DIR (``~`` expanded;
+    made if missing), else ~/.cache/fastzero. A setting that names an existing
+    file raises ValueError. (fastzero.native.envvars does this for the other
+    variables; this file stays importable without fastzero, for setup.py.)"""
+    raw = os.environ.get("FASTZERO_CACHE_DIR", "").strip()
+    if not raw:
+        return Path.home() / ".cache" / "fastzero"
+    root = Path(raw).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(
+            f"FASTZERO_CACHE_DIR={raw!r} is not a directory; name a directory (made if missing) or unset it"
+        )
+    return root
 
 
 def input_hash(srcs: Iterable[Path], suffixes: Iterable[str], settings: Iterable[str]) -> str:
@@ -244,6 +254,26 @@ CUDA_SOURCES = ("common.cu", "multi_tensor_adam.cu", "multi_tensor_l2norm.cu", "
 CUDA_HEADER_SUFFIXES = (".cuh", ".h")
 # A100 and H100/H200: SASS for each (Ampere's also runs on sm_86/sm_89).
 CUDA_ARCHS = ("80", "90")
+
+
+def parse_cuda_archs(text: str, name: str = "FASTZERO_CUDA_ARCHS") -> tuple[str, ...]:
+    """CUDA architectures from "80;90", "80,90a" or "sm_80 sm_90": compute
+    capabilities as nvcc's sm_XX takes them (two or three digits, then an
+    optional a or f); () for an empty setting. ValueError names a bad entry."""
+    archs = []
+    for entry in re.split(r"[;,\s]+", text.strip()):
+        if not entry:
+            continue
+        arch = entry.removeprefix("sm_").removeprefix("compute_")
+        if re.fullmatch(r"[1-9][0-9]{1,2}[af]?", arch) is None:
+            raise ValueError(
+                f"{name}={text!r}: {entry!r} is not a CUDA architecture; use compute capabilities "
+                "such as 80;90 or 90a (separated by ; or ,)"
+            )
+        archs.append(arch)
+    return tuple(dict.fromkeys(archs))
+
+
 NVCCFLAGS = (
     "-O3",
     "-std=c++17",

@@ -12,7 +12,11 @@
 Never raises at import, and never while loading: when a library cannot be
 had, :func:`cpu_ops` returns None and :func:`cpu_ops_error` says why;
 :func:`cuda_available` returns (False, why) and :func:`cuda_lib` raises that
-reason when an op needs the library.
+reason when an op needs the library. The exception is a bad setting
+(``FASTZERO_JIT`` not 0/1, ``FASTZERO_CUDA_LIB`` naming no file, a malformed
+``FASTZERO_CUDA_ARCHS`` or ``FASTZERO_CACHE_DIR``, an unknown
+``FASTZERO_CPU_ISA``): ValueError naming it, when it is consulted, not a
+silent fallback.
 """
 
 from __future__ import annotations
@@ -30,11 +34,19 @@ import torch
 
 from fastzero.native import build
 from fastzero.native.abi import CPU_ABI_VERSION, CUDA_ABI_VERSION, CUDA_SIGNATURES, ISA_NAMES
+from fastzero.native.envvars import env_flag, env_path
 
 # ---------------------------------------------------------------------------
 # CPU
 
 _CPU_MODULE = f"fastzero.{build.CPU_MODULE}"
+
+
+def jit_allowed() -> bool:
+    """FASTZERO_JIT: 1 (default) builds missing kernels on first use, 0
+    forbids it; anything else raises ValueError (a setting that names
+    nothing is an error, not a reason to fall back)."""
+    return env_flag("FASTZERO_JIT", True)
 
 
 def _cpu_abi_version(path: str) -> int:
@@ -64,7 +76,7 @@ def _load_cpu() -> tuple[ModuleType | None, str | None]:
             return importlib.import_module(_CPU_MODULE), None
         except ImportError as exc:
             prebuilt_error = f"the prebuilt extension does not load ({exc})"
-    if os.environ.get("FASTZERO_JIT", "1") == "0":
+    if not jit_allowed():
         return None, f"{prebuilt_error}, and FASTZERO_JIT=0 forbids building it"
     try:
         path = build.build_cpu()
@@ -123,8 +135,10 @@ def supported_isas() -> list[str]:
 
 
 def _prebuilt_cuda_library() -> Path | None:
-    explicit = os.environ.get("FASTZERO_CUDA_LIB")
-    if explicit:
+    """$FASTZERO_CUDA_LIB (an existing file, else ValueError), else an
+    install-time build beside the package, else None."""
+    explicit = env_path("FASTZERO_CUDA_LIB", must_exist="file")
+    if explicit is not None:
         return Path(explicit)
     beside = Path(__file__).resolve().parent.parent / build.CUDA_LIBRARY  # an install-time build
     return beside if beside.is_file() else None
@@ -134,9 +148,9 @@ def _cuda_archs() -> tuple[str, ...]:
     """The architectures to build: $FASTZERO_CUDA_ARCHS ("80;90;100"), else
     sm_80 and sm_90 (whose code also runs on sm_86/sm_89) plus that of any
     other visible GPU."""
-    forced = os.environ.get("FASTZERO_CUDA_ARCHS", "").replace(",", ";")
-    if forced.strip():
-        return tuple(a.strip().removeprefix("sm_") for a in forced.split(";") if a.strip())
+    forced = build.parse_cuda_archs(os.environ.get("FASTZERO_CUDA_ARCHS", ""))
+    if forced:
+        return forced
     archs = list(build.CUDA_ARCHS)
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -160,7 +174,7 @@ def _load_cuda() -> tuple[ctypes.CDLL | None, str]:
     """The loaded library and "", or None and why not. Builds it if needed (once)."""
     path = _prebuilt_cuda_library()
     if path is None:
-        if os.environ.get("FASTZERO_JIT", "1") == "0":
+        if not jit_allowed():
             return None, "no prebuilt CUDA library, and FASTZERO_JIT=0 forbids building it"
         try:
             path = build.build_cuda(_cuda_archs())

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastzero.native import loader
+from fastzero.native.envvars import env_choice
 
 BACKENDS = ("cuda", "triton", "cpu", "reference")
 DEVICES = ("cpu", "cuda")
@@ -94,12 +95,7 @@ _warned: set[str] = set()
 
 def forced_backend() -> str | None:
     """The backend named by FASTZERO_BACKEND, or None when it is unset."""
-    name = os.environ.get("FASTZERO_BACKEND", "").strip().lower()
-    if not name:
-        return None
-    if name not in BACKENDS:
-        raise ValueError(f"FASTZERO_BACKEND={name!r} is not one of {', '.join(BACKENDS)}; unset it or pick one")
-    return name
+    return env_choice("FASTZERO_BACKEND", BACKENDS)
 
 
 class Family:

@@ -47,13 +47,15 @@ class Hyperparams:
             label = label if label == f.name else f"{label} ({f.name})"
             kind = f.type if isinstance(f.type, str) else f.type.__name__
             if kind == "bool":
-                if not isinstance(value, bool | int) or isinstance(value, float):
+                if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
                     raise TypeError(f"{self.family}: {label} must be True or False, got {value!r}")
                 object.__setattr__(self, f.name, bool(value))
             elif kind in ("float", "int"):
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     what = type(value).__name__
                     raise TypeError(f"{self.family}: {label} must be a real number, got {what} {value!r}")
+                if kind == "int" and not isinstance(value, int):
+                    raise TypeError(f"{self.family}: {label} must be an integer, got {value!r}")
                 if kind == "float":
                     value = float(value)
                     if not math.isfinite(value):
@@ -82,10 +84,7 @@ class Hyperparams:
         if "betas" in kwargs:
             if "beta1" in kwargs or "beta2" in kwargs:
                 raise TypeError(f"{cls.family}: pass betas=(beta1, beta2) or beta1=/beta2=, not both")
-            betas = kwargs.pop("betas")
-            if not isinstance(betas, tuple | list) or len(betas) != 2:
-                raise ValueError(f"{cls.family}: betas must be a pair (beta1, beta2), got {betas!r}")
-            kwargs["beta1"], kwargs["beta2"] = betas
+            kwargs["beta1"], kwargs["beta2"] = cls._betas(kwargs.pop("betas"))
         unknown = sorted(set(kwargs) - set(cls.names()))
         if unknown:
             raise TypeError(
@@ -99,8 +98,15 @@ class Hyperparams:
         have changed ``lr`` since the last step, so read it every step)."""
         kwargs = {n: group[n] for n in cls.names() if n in group}
         if "betas" in group:
-            kwargs["beta1"], kwargs["beta2"] = group["betas"]
+            kwargs["beta1"], kwargs["beta2"] = cls._betas(group["betas"])
         return cls(**kwargs)
+
+    @classmethod
+    def _betas(cls, betas: Any) -> tuple[Any, Any]:
+        """(beta1, beta2) of a ``betas`` value, or a ValueError naming it."""
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise ValueError(f"{cls.family}: betas must be a pair (beta1, beta2), got {betas!r}")
+        return betas[0], betas[1]
 
     def group_defaults(self) -> dict[str, Any]:
         """The param-group keys: torch.optim's ``betas`` pair, the rest by name."""

@@ -78,6 +78,18 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
         self.last_backend: str | None = None
         self._checked: dict[int, tuple] = {}  # per group: the param set whose lists passed the full checks
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch.optim's, then this family's checks of the group's
+        hyperparameters (a group dict with ``lr="1e-3"`` fails here, naming
+        the group and the field, not at the first step)."""
+        index = len(self.param_groups)
+        super().add_param_group(param_group)
+        try:
+            self.hyperparams.from_group(self.param_groups[-1])
+        except (TypeError, ValueError) as exc:
+            self.param_groups.pop()
+            raise type(exc)(f"param group {index}: {exc}") from None
+
     @property
     def backend(self) -> str:
         """The backend a step runs for the first param's device."""

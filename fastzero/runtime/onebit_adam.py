@@ -96,8 +96,10 @@ class OneBitAdam(FusedAdam):
             raise ValueError("OneBitAdam does not implement amsgrad (neither does DeepSpeed's)")
         if eps_inside_sqrt:
             raise ValueError("OneBitAdam(eps_inside_sqrt=True) is not implemented: eps is added outside the sqrt")
-        if not max_grad_norm >= 0:
-            raise ValueError(f"OneBitAdam max_grad_norm={max_grad_norm!r}: must be >= 0 (0 turns clipping off)")
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float) or not max_grad_norm >= 0:
+            raise ValueError(
+                f"OneBitAdam max_grad_norm={max_grad_norm!r}: must be a number >= 0 (0 turns clipping off)"
+            )
         self.freeze_step = check_freeze_step(freeze_step)
         self.max_grad_norm = float(max_grad_norm)
         super().__init__(

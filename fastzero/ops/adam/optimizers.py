@@ -21,6 +21,9 @@ _GPU_HINT = "; for GPU parameters use fastzero.ops.FusedAdam"
 def _adamw_mode(cls: str, adamw_mode: bool | None, adam_w_mode: bool | None) -> bool:
     """DeepSpeed spells it ``adam_w_mode`` for FusedAdam and ``adamw_mode``
     for DeepSpeedCPUAdam; both optimizers take either (one at a time)."""
+    for name, value in (("adamw_mode", adamw_mode), ("adam_w_mode", adam_w_mode)):
+        if value is not None and not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+            raise TypeError(f"{cls}: {name} must be True or False, got {value!r}")
     if adamw_mode is not None and adam_w_mode is not None and bool(adamw_mode) != bool(adam_w_mode):
         raise ValueError(f"{cls}: adamw_mode={adamw_mode} and adam_w_mode={adam_w_mode} disagree; pass one of them")
     given = adamw_mode if adamw_mode is not None else adam_w_mode

@@ -198,7 +198,27 @@ def _make_lists(layout: Tensor) -> tuple:
     return kernels.csr(layout)
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int) -> None:
+def _check_block(block: object, what: str = "block") -> int:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {block!r}")
+    return block
+
+
+def _check_scale(softmax_scale: object) -> float | None:
+    if softmax_scale is None:
+        return None
+    number = not isinstance(softmax_scale, bool) and isinstance(softmax_scale, int | float)
+    if not number or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number (or None for 1/sqrt(head_dim)), got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Three tensors [batch, heads, seq, head_dim] of one shape, one float
+    dtype and one device; heads, seq and head_dim >= 1 (batch may be 0)."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor [batch, heads, seq, head_dim], got {type(t).__name__}")
     if not (q.dim() == k.dim() == v.dim() == 4):
         raise ValueError(
             f"query, key, value must be [batch, heads, seq, head_dim]; got {tuple(q.shape)}, "
@@ -206,14 +226,32 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int) ->
         )
     if q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"query, key and value shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    for dim, name in ((1, "heads"), (2, "seq"), (3, "head_dim")):
+        if q.shape[dim] < 1:
+            hint = " (an embedding smaller than the number of heads?)" if name == "head_dim" else ""
+            raise ValueError(
+                f"query, key, value {tuple(q.shape)} [batch, heads, seq, head_dim] have {name} = 0; "
+                f"{name} must be >= 1{hint}"
+            )
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"query, key and value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"dtype {q.dtype}: SparseAttention takes fp16, bf16 or fp32 (fp64 on the CPU path)")
     if q.device != k.device or q.device != v.device:
         raise ValueError(f"query, key and value are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block: int) -> None:
+    check_qkv(q, k, v)
+    _check_block(block)
     heads, seq = q.shape[1], q.shape[2]
+    if seq % block:
+        raise ValueError(f"seq {seq} is not a multiple of the block {block}; SparseAttention pads for you")
     nb = seq // block
+    if not isinstance(layout, Tensor):
+        raise ValueError(
+            f"layout must be a torch.Tensor [heads, seq // block, seq // block], got {type(layout).__name__}"
+        )
     if layout.shape != (heads, nb, nb):
         raise ValueError(
             f"layout {tuple(layout.shape)} does not fit {heads} heads and seq {seq} in blocks of "
@@ -241,9 +279,8 @@ def block_sparse_attention(
     masks the upper triangle inside diagonal blocks. `lists`: the layout's
     block lists (``triton_kernels.sparse_attention.csr``), if already made."""
     check_inputs(q, k, v, layout, block)
-    if q.shape[2] % block:
-        raise ValueError(f"seq {q.shape[2]} is not a multiple of the block {block}; SparseAttention pads for you")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    softmax_scale = _check_scale(softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     kpm = None if key_padding_mask is None else key_padding_mask.to(torch.float32).contiguous()
     am = None if attn_mask is None else attn_mask.to(torch.float32).contiguous()
     if FAMILY.choose(q.device.type, backend).backend == "triton":
@@ -297,6 +334,14 @@ class SparseAttention(torch.nn.Module):
         for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
             if mode not in ("add", "mul"):
                 raise ValueError(f"{name} {mode!r}: 'add' or 'mul'")
+        if not all(hasattr(sparsity_config, a) for a in ("num_heads", "block", "make_layout")):
+            raise ValueError(
+                f"sparsity_config must be a sparsity config (fastzero.ops.SparsityConfig's subclasses), "
+                f"got {type(sparsity_config).__name__}"
+            )
+        _check_block(sparsity_config.block, "sparsity_config.block")
+        _check_block(max_seq_length, "max_seq_length")
+        softmax_scale = _check_scale(softmax_scale)
         self.sparsity_config = sparsity_config
         self.key_padding_mask_mode, self.attn_mask_mode = key_padding_mask_mode, attn_mask_mode
         self.max_seq_length = max_seq_length
@@ -335,8 +380,7 @@ class SparseAttention(torch.nn.Module):
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
-        if query.dim() != 4:
-            raise ValueError(f"query must be [batch, heads, seq, head_dim]; got {tuple(query.shape)}")
+        check_qkv(query, key, value)
         batch, heads, seq, _ = query.shape
         if heads != self.sparsity_config.num_heads:
             raise ValueError(f"query has {heads} heads, the sparsity config {self.sparsity_config.num_heads}")
@@ -399,7 +443,13 @@ def pad_to_block_size(
     inputs at the end of the sequence to a multiple of `block_size`. Returns
     (pad_len, input_ids, attention_mask, token_type_ids, position_ids,
     inputs_embeds); undo with :func:`unpad_sequence_output`."""
+    _check_block(block_size, "block_size")
+    if input_ids is None and inputs_embeds is None:
+        raise ValueError("pad_to_block_size needs input_ids [batch, seq] or inputs_embeds [batch, seq, hidden]")
     shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+    if len(shape) != 2:
+        what = "input_ids" if input_ids is not None else "inputs_embeds"
+        raise ValueError(f"{what} {tuple(shape)}: expected [batch, seq]{'' if input_ids is not None else ' + hidden'}")
     pad = -shape[1] % block_size
     if pad:
         fill = lambda t, value: None if t is None else torch.nn.functional.pad(t, (0, pad), value=value)  # noqa: E731

@@ -1,0 +1,127 @@
+"""What the ``fastzero`` launcher runs on every host: torchrun, in this
+process, with two things torchrun alone does not do.
+
+- **The script's exit code comes back.** torchrun reports any failed worker
+  as exit code 1 (``ChildFailedError`` escapes its ``main``); here the first
+  failure's own code is the exit code, a worker killed by signal N gives
+  128+N as shells do, and torchrun stopped by signal N exits 128+N after
+  it has shut its workers down (it forwards the signal to them, waits up to
+  30 s, then SIGKILLs them).
+- **No worker outlives its torchrun.** torchrun starts each worker in a
+  session of its own, so a SIGKILLed torchrun (which cannot clean up) would
+  leave them running. Each worker is started as ``python -m
+  fastzero.launch_agent --worker script args``, which asks the kernel for
+  SIGKILL when its parent (torchrun) dies (``prctl(PR_SET_PDEATHSIG)``,
+  Linux) and then execs the script in the same process, same pid.
+
+``python -m fastzero.launch_agent [--exit_on_stdin_eof] <torchrun args>``:
+with ``--exit_on_stdin_eof`` (the launcher's ssh mode) an end of file on
+stdin, i.e. the ssh connection to the launcher closed, stops the job as a
+SIGHUP does: a remote host's torchrun does not outlive its launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+AGENT_PID = "_FASTZERO_AGENT_PID"  # set by the agent for its workers: who their parent must be
+
+WORKER_FLAG = "--worker"
+EOF_FLAG = "--exit_on_stdin_eof"
+
+# libc for prctl, loaded once here: a preexec_fn (after fork, before exec) must not load libraries.
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Asks the kernel to send `sig` to this process when its parent dies
+    (Linux; elsewhere a no-op). If the parent is already gone (it died before
+    this call), exits at once. Safe in a ``preexec_fn``: no allocation beyond
+    one ctypes call on a library loaded before the fork (see `_libc`)."""
+    if _libc is None:
+        return
+    _libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+
+
+def exit_code_of(exitcode: int) -> int:
+    """A process's exit code as a shell reports it: a negative Popen code
+    (killed by signal N) becomes 128+N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _worker(argv: list[str]) -> None:
+    """``--worker script args``: becomes ``python -u script args`` after
+    arranging to die with torchrun."""
+    if not argv:
+        sys.exit("fastzero.launch_agent --worker: no script given")
+    parent = os.environ.get(AGENT_PID)
+    if parent is not None:
+        die_with_parent(int(parent))
+    os.execv(sys.executable, [sys.executable, "-u", argv[0], *argv[1:]])
+
+
+def _hang_up_on_eof() -> None:
+    """Stops the job (SIGHUP to this process: torchrun's handler shuts its
+    workers down) when stdin reaches its end."""
+
+    def watch() -> None:
+        try:
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    threading.Thread(target=watch, name="fastzero-stdin-eof", daemon=True).start()
+
+
+def torchrun_argv(argv: list[str]) -> list[str]:
+    """torchrun's arguments with the script replaced by the worker shim:
+    ``[opts..., script, args...]`` -> ``[opts..., -m, fastzero.launch_agent, --worker, script, args...]``.
+    The script is the first argument not starting with '-' (the launcher
+    writes every torchrun option as ``--name=value``)."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return [*argv[:i], "-m", "fastzero.launch_agent", WORKER_FLAG, *argv[i:]]
+    raise SystemExit("fastzero.launch_agent: no training script among the arguments")
+
+
+def agent(argv: list[str]) -> int:
+    """Runs torchrun with `argv` and returns the exit code the launcher passes on."""
+    if argv and argv[0] == EOF_FLAG:
+        argv = argv[1:]
+        _hang_up_on_eof()
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    os.environ[AGENT_PID] = str(os.getpid())
+    try:
+        torchrun_main(torchrun_argv(argv))
+    except ChildFailedError as exc:
+        _, failure = exc.get_first_failure()
+        code = exit_code_of(failure.exitcode) or 1
+        print(f"fastzero: the training script failed (exit code {code}):\n{exc}", file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:
+        print(f"fastzero: torchrun stopped by {exc.sigval.name}; workers shut down", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == WORKER_FLAG:
+        _worker(argv[1:])  # does not return
+    return agent(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
