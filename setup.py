@@ -117,6 +117,7 @@ setup(
             "triton>=3.2",
             "numpy",
             "tensorboard>=2.12",
+            "transformers>=4.40",  # tests/runtime/test_reference_drift.py's GPT-2
         ],
         "monitor": ["tensorboard>=2.12"],
         "peers": ["deepspeed>=0.14"],
