@@ -5,7 +5,7 @@ launch per dtype combination (see ``_multi_tensor`` for the work list).
     g &\leftarrow g / s \qquad (s = \text{grad\_scale}, 1 \text{ if None}) \\
     p &\leftarrow p\,(1 - \text{lr}\cdot\text{wd}) \text{ (AdamW) } \quad\text{or}\quad
         g \leftarrow g + \text{wd}\cdot p \text{ (Adam)} \\
-    m &\leftarrow \beta_1 m + (1-\beta_1) g \qquad
+    m &\leftarrow m + (1-\beta_1)(g - m) \qquad
     v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
     p &\leftarrow p - \frac{\text{lr}}{bc_1}\,\frac{m}{\sqrt{v} / \sqrt{bc_2} + \epsilon}
         \qquad bc_i = 1 - \beta_i^{t} \text{ (1 without bias correction)}
@@ -16,6 +16,8 @@ the same pass). The source of truth is ``fastzero.ops.adam.reference.adam_step``
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 import triton
@@ -35,6 +37,11 @@ from ._multi_tensor import (
 )
 
 
+def _fp32(x: float) -> float:
+    """`x` rounded to fp32 (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 @triton.jit
 def _adam_math(
     p,
@@ -43,21 +50,22 @@ def _adam_math(
     v,
     decay,
     weight_decay,
-    beta1,
-    one_minus_beta1,
+    m_coeff,
     beta2,
     one_minus_beta2,
     eps,
     step_size,
     sqrt_bc2,
     ADAMW: tl.constexpr,
+    M_FROM_GRAD: tl.constexpr,
 ):
     """The update, in fp32, in the reference's order of operations."""
     if ADAMW:
         p = p * decay
     else:
         g = g + weight_decay * p
-    m = beta1 * m + one_minus_beta1 * g
+    # torch's lerp, m + (1 - beta1)(g - m) (fz_lerp_coeff in csrc/common/hyperparams.h)
+    m = tl.fma(m_coeff, g - m, g if M_FROM_GRAD else m)
     v = beta2 * v + one_minus_beta2 * g * g
     # IEEE sqrt and division, as torch rounds them (on GPUs tl.sqrt and `/` are approximate)
     denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
@@ -77,8 +85,7 @@ def _adam_block(
     grad_scale,
     decay,
     weight_decay,
-    beta1,
-    one_minus_beta1,
+    m_coeff,
     beta2,
     one_minus_beta2,
     eps,
@@ -86,6 +93,7 @@ def _adam_block(
     sqrt_bc2,
     HAS_GRAD_SCALE: tl.constexpr,
     ADAMW: tl.constexpr,
+    M_FROM_GRAD: tl.constexpr,
 ):
     """Load, update and store one block (``mask`` None: a full block, unmasked so that it vectorizes)."""
     p = _to_fp32(tl.load(p_ptr + offs, mask=mask))
@@ -95,7 +103,7 @@ def _adam_block(
     if HAS_GRAD_SCALE:
         g = tl.div_rn(g, grad_scale)
     p, m, v = _adam_math(
-        p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, ADAMW
+        p, g, m, v, decay, weight_decay, m_coeff, beta2, one_minus_beta2, eps, step_size, sqrt_bc2, ADAMW, M_FROM_GRAD
     )
     tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, _to_storage(m, m_ptr.dtype.element_ty), mask=mask)
@@ -117,8 +125,7 @@ def _adam_kernel(
     lr,
     decay,
     weight_decay,
-    beta1,
-    one_minus_beta1,
+    m_coeff,
     beta2,
     one_minus_beta2,
     log_beta1,
@@ -133,6 +140,7 @@ def _adam_kernel(
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     ADAMW: tl.constexpr,
+    M_FROM_GRAD: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCKS_PER_ITEM: tl.constexpr,
@@ -169,8 +177,7 @@ def _adam_kernel(
                 grad_scale,
                 decay,
                 weight_decay,
-                beta1,
-                one_minus_beta1,
+                m_coeff,
                 beta2,
                 one_minus_beta2,
                 eps,
@@ -178,6 +185,7 @@ def _adam_kernel(
                 sqrt_bc2,
                 HAS_GRAD_SCALE,
                 ADAMW,
+                M_FROM_GRAD,
             )
         tail = start + n_full * BLOCK_SIZE
         if tail < end:
@@ -193,8 +201,7 @@ def _adam_kernel(
                 grad_scale,
                 decay,
                 weight_decay,
-                beta1,
-                one_minus_beta1,
+                m_coeff,
                 beta2,
                 one_minus_beta2,
                 eps,
@@ -202,6 +209,7 @@ def _adam_kernel(
                 sqrt_bc2,
                 HAS_GRAD_SCALE,
                 ADAMW,
+                M_FROM_GRAD,
             )
 
 
@@ -209,13 +217,17 @@ def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, f
     """:func:`adam_step` on lists that were checked."""
     if not params:
         return
+    # The first moment is torch's lerp with w = 1 - beta1 in fp32 (fz_lerp_coeff in csrc/common/hyperparams.h):
+    # m + w (g - m) for w < 0.5, else g + (w - 1)(g - m), exact in fp32.
+    w = _fp32(1.0 - hp.beta1)
+    m_from_grad = not w < 0.5
+    m_coeff = w - 1.0 if m_from_grad else w
     # Host scalars in fp64, rounded once to fp32 as the reference's torch ops round them.
     scalars = (
         hp.lr,
         1.0 - hp.lr * hp.weight_decay,
         hp.weight_decay,
-        hp.beta1,
-        1.0 - hp.beta1,
+        m_coeff,
         hp.beta2,
         1.0 - hp.beta2,
         log_beta(hp.beta1),
@@ -227,6 +239,7 @@ def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, f
         HAS_GRAD_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None,
         ADAMW=bool(hp.adamw_mode),
+        M_FROM_GRAD=m_from_grad,
         BIAS_CORRECTION=bool(hp.bias_correction),
     )
     block, per_item, num_warps = launch_config()

@@ -62,7 +62,8 @@ typedef struct fz_lamb_hyper {
  * bias correction). */
 
 /* Adam: the update is p <- p * decay - step_size * m / (sqrt(v) / sqrt(bc2) + eps),
- * with g <- g + l2 * p first (AdamW: decay = 1 - lr * wd, l2 = 0; Adam: 1, wd). */
+ * with g <- g + l2 * p first (AdamW: decay = 1 - lr * wd, l2 = 0; Adam: 1, wd) and
+ * m <- m + (1 - beta1)(g - m) (fz_lerp_coeff). */
 typedef struct fz_adam_derived {
   double one_minus_beta1;
   double one_minus_beta2;
@@ -86,6 +87,15 @@ FZ_HOST_DEVICE fz_adam_derived fz_adam_derive(const fz_adam_hyper* h, double ste
   d.l2 = h->adamw_mode ? 0.0 : h->weight_decay;
   return d;
 }
+
+/* Adam's first moment is torch.optim.Adam's lerp, m <- m + w (g - m) with
+ * w = 1 - beta1 rounded to float, not beta1 * m + (1 - beta1) * g: beta1 and
+ * 1 - beta1 rounded to float do not add up to 1 (0.9f + 0.1f = 1 - 2.2e-8),
+ * which shrinks m a little every step, a drift against torch. As torch
+ * computes it: m + w (g - m) when w < 0.5, else g + (w - 1)(g - m) (so that
+ * beta1 = 0 gives m = g exactly); the kernels do fma(coeff, g - m, base) with
+ * this coefficient and base m (w < 0.5) or g. */
+FZ_HOST_DEVICE float fz_lerp_coeff(float w) { return w < 0.5f ? w : w - 1.0f; }
 
 /* LAMB's global-norm clip divisor: max(1, ||g|| / max_grad_norm), 1 when off. */
 FZ_HOST_DEVICE double fz_lamb_clip(const fz_lamb_hyper* h, double grad_sumsq) {

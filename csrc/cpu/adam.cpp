@@ -15,10 +15,11 @@ namespace fz {
 // multiply-adds. adamw_mode: decay = 1 - lr*wd, l2 = 0; Adam (L2): decay = 1,
 // l2 = wd. step_size = lr / bc1, bc2_rsqrt = 1 / sqrt(bc2). Each is computed
 // in double, as the reference's Python floats are, then rounded to float
-// (1 - beta too, as torch does).
+// (1 - beta too, as torch does). The first moment is torch's lerp:
+// m <- fma(m_coeff, g - m, m_from_grad ? g : m) (fz_lerp_coeff).
 struct AdamConsts {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bc2_rsqrt, decay, l2,
-      inv_grad_scale;
+  float m_coeff, beta2, one_minus_beta2, eps, step_size, bc2_rsqrt, decay, l2, inv_grad_scale;
+  bool m_from_grad;
 };
 
 namespace {
@@ -26,9 +27,10 @@ namespace {
 AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scale) {
   const fz_adam_derived d = fz_adam_derive(&h, step);
   AdamConsts k;
-  k.beta1 = float(h.beta1);
+  const float w = float(d.one_minus_beta1);
+  k.m_coeff = fz_lerp_coeff(w);
+  k.m_from_grad = !(w < 0.5f);
   k.beta2 = float(h.beta2);
-  k.one_minus_beta1 = float(d.one_minus_beta1);
   k.one_minus_beta2 = float(d.one_minus_beta2);
   k.eps = float(h.eps);
   k.step_size = float(d.step_size);

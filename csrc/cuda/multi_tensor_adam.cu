@@ -22,7 +22,9 @@ static_assert(sizeof(AdamArgs) < 300, "beside a chunk table, within the 4 KiB of
 // Per-step constants, each rounded to fp32 as the reference's Python floats
 // are when they meet an fp32 tensor (1 - beta and -lr / bc1 in fp64 first).
 struct AdamConsts {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
+  float m_coeff;     // the first moment is torch's lerp: fma(m_coeff, g - m, m_from_grad ? g : m)
+  bool m_from_grad;  // (fz_lerp_coeff)
+  float beta2, one_minus_beta2, eps;
   float neg_step_size;  // -lr / bc1
   float sqrt_bc2;
   float decay;       // AdamW: 1 - lr * wd; Adam: 1
@@ -35,9 +37,10 @@ __device__ AdamConsts adam_consts(const AdamArgs& a) {
   const fz_adam_hyper& h = a.hyper;
   const fz_adam_derived d = fz_adam_derive(&h, double(*a.step));
   AdamConsts k;
-  k.beta1 = float(h.beta1);
+  const float w = float(d.one_minus_beta1);
+  k.m_coeff = fz_lerp_coeff(w);
+  k.m_from_grad = !(w < 0.5f);
   k.beta2 = float(h.beta2);
-  k.one_minus_beta1 = float(d.one_minus_beta1);
   k.one_minus_beta2 = float(d.one_minus_beta2);
   k.eps = float(h.eps);
   k.neg_step_size = float(-d.step_size);
@@ -55,7 +58,7 @@ __device__ __forceinline__ void adam_math(float& p, float g, float& m, float& v,
   // Skipping the no-op terms keeps an inf param inf, instead of 0 * inf.
   if (k.l2 != 0.0f) g = g + k.l2 * p;        // Adam: L2 penalty through the gradient
   if (k.decay != 1.0f) p = p * k.decay;      // AdamW: decoupled decay
-  m = k.beta1 * m + k.one_minus_beta1 * g;
+  m = fmaf(k.m_coeff, g - m, k.m_from_grad ? g : m);  // torch's lerp: m + (1 - beta1)(g - m)
   v = k.beta2 * v + k.one_minus_beta2 * g * g;
   const float denom = sqrtf(v) / k.sqrt_bc2 + k.eps;
   p = p + k.neg_step_size * (m / denom);

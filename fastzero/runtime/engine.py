@@ -28,6 +28,7 @@ from torch import Tensor
 
 from fastzero.comm import Comm, dist_env, init_distributed
 from fastzero.config import Config, ConfigError, load_config
+from fastzero.ops.norms import sum_of_squares
 from fastzero.runtime.agreement import check_start
 from fastzero.runtime.groups import ZeroGroup
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
@@ -350,9 +351,11 @@ class Engine:
 
     def _grad_norm(self) -> float:
         """The global L2 norm of the summed gradients: a local sum of squares
-        per shard, one tiny all-reduce (stages 1-2). inf/NaN anywhere gives a
-        non-finite norm: the overflow check."""
-        sumsq = sum(float(torch.linalg.vector_norm(g.grads(), dtype=torch.float32) ** 2) for g in self.groups)
+        per shard (accumulated in fp64 over short fp32 runs, see
+        fastzero.ops.norms: one fp32 norm of the whole flat buffer comes out
+        low and over-scales the clipped step), one tiny all-reduce (stages
+        1-3). inf/NaN anywhere gives a non-finite norm: the overflow check."""
+        sumsq = float(sum(sum_of_squares(g.grads()) for g in self.groups))
         if self.stage >= 1:
             (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq) if sumsq >= 0 else float("nan")
@@ -364,7 +367,7 @@ class Engine:
         """1-bit Adam past freeze_step: the root mean square over ranks of
         each rank's local gradient norm (one tiny all-reduce; non-finite on
         any rank makes it non-finite everywhere)."""
-        sumsq = sum(float(torch.linalg.vector_norm(g.local_grads(), dtype=torch.float32) ** 2) for g in self.groups)
+        sumsq = float(sum(sum_of_squares(g.local_grads()) for g in self.groups))
         (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq / self.comm.world_size) if sumsq >= 0 else float("nan")
 

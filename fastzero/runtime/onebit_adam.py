@@ -31,6 +31,7 @@ from torch import Tensor
 
 from fastzero.comm import Comm, compressed_allreduce, error_buffers, padded_numel
 from fastzero.ops import FusedAdam
+from fastzero.ops.norms import sum_of_squares
 
 
 def _trained(group: dict) -> list[Tensor]:
@@ -213,12 +214,7 @@ class OneBitAdam(FusedAdam):
     def _clip_factor(self, comm, scale: float, local: bool) -> float:
         """1/coef so that the gradient the step uses has norm <= max_grad_norm;
         after the freeze the norm is the RMS of the ranks' local norms."""
-        sumsq = sum(
-            float(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2)
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None
-        )
+        sumsq = float(sum(sum_of_squares(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None))
         if local and comm.world_size > 1:
             (sumsq,) = comm.all_reduce_scalars([sumsq], tag="onebit")
             sumsq /= comm.world_size

@@ -110,7 +110,7 @@ class CPUAdam(AdamFamilyOptimizer):
 
     .. math::
         p \leftarrow p(1-\text{lr}\cdot\text{wd}) \text{ (adamw\_mode) or } g \leftarrow g + \text{wd}\,p;\quad
-        m \leftarrow \beta_1 m + (1-\beta_1) g;\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2;\quad
+        m \leftarrow m + (1-\beta_1)(g - m);\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2;\quad
         p \leftarrow p - \text{lr}\,\frac{m/bc_1}{\sqrt{v/bc_2}+\epsilon}
 
     with :math:`bc_i = 1-\beta_i^t` (1 when ``bias_correction`` is False).

@@ -31,7 +31,7 @@ def adam_step(
         g &\leftarrow g / s \qquad (s = \text{grad\_scale}, 1 \text{ if None}) \\
         p &\leftarrow p\,(1 - \text{lr}\cdot\text{wd}) \text{ (AdamW) } \quad\text{or}\quad
             g \leftarrow g + \text{wd}\cdot p \text{ (Adam)} \\
-        m &\leftarrow \beta_1 m + (1-\beta_1) g \qquad
+        m &\leftarrow m + (1-\beta_1)(g - m) \qquad
         v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
         p &\leftarrow p - \text{lr}\,\frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon}
             \qquad bc_i = 1 - \beta_i^{t} \text{ (1 without bias correction)}
@@ -50,7 +50,7 @@ def adam_step(
             p32.mul_(1.0 - lr * weight_decay)
         else:
             g32 = g32 + weight_decay * p32
-        m32 = m.float() * beta1 + (1.0 - beta1) * g32
+        m32 = m.float().lerp(g32, 1.0 - beta1)  # m + (1 - beta1)(g - m), as torch.optim.Adam(W)
         v32 = v.float() * beta2 + (1.0 - beta2) * g32 * g32
         denom = v32.sqrt() / math.sqrt(bc2) + eps
         p32.addcdiv_(m32, denom, value=-lr / bc1)
