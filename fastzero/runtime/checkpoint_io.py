@@ -443,6 +443,7 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_strict: bool = True,
+    load_module_only: bool = False,
 ):
     """Every rank calls it. Returns (the tag's directory, client_state), or
     (None, None) when `load_dir` has no ``latest`` and no tag is given.
@@ -486,12 +487,18 @@ def load_checkpoint(
             f"{nothing} of {comm.world_size} ranks found no 'latest' in {load_dir} and the others did (is it on a "
             "file system every rank sees?); nothing was changed on any rank"
         )
-    _apply(engine, ready, load_optimizer_states, load_lr_scheduler_states)
+    if load_module_only:
+        load_optimizer_states = load_lr_scheduler_states = False
+    _apply(engine, ready, load_optimizer_states, load_lr_scheduler_states, load_module_only)
     return str(ready.tag_dir), ready.extra["client_state"]
 
 
-def _apply(engine, ready: _Ready, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> None:
-    """Every rank is ready: change the engine."""
+def _apply(
+    engine, ready: _Ready, load_optimizer_states: bool, load_lr_scheduler_states: bool, module_only: bool = False
+) -> None:
+    """Every rank is ready: change the engine (with `module_only`, its
+    weights and buffers only: no optimizer state, schedule, loss scale,
+    counters or RNG, as DeepSpeed's ``load_module_only``)."""
     manifest, extra = ready.manifest, ready.extra
     if ready.missing or ready.unexpected:
         warnings.warn(
@@ -520,6 +527,9 @@ def _apply(engine, ready: _Ready, load_optimizer_states: bool, load_lr_scheduler
             )
     if load_lr_scheduler_states and engine.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    if module_only:
+        engine._zero_grads()
+        return
     if engine.loss_scaler is not None and manifest["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
     for key in ("global_steps", "global_samples", "skipped_steps"):

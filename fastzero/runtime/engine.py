@@ -158,6 +158,7 @@ class Engine:
         ]
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self._grads_fresh = True  # no backward since the gradients were last zeroed
+        self._step_applied = False  # the last optimizer step updated the params
         self.grad_norm: float | None = None
         self.last_loss: Tensor | None = None
         # seconds spent in each phase since take_timers() (and when the last backward ended, for tests)
@@ -304,6 +305,7 @@ class Engine:
         # every step: it is also the non-finite check, agreed by every rank (one tiny all-reduce)
         self.grad_norm = (self._local_grad_norm() if compressing else self._grad_norm()) / divisor
         overflow = not math.isfinite(self.grad_norm)
+        self._step_applied = not overflow
         if overflow:
             self._non_finite(scale)
         else:
@@ -381,6 +383,18 @@ class Engine:
 
     def get_global_grad_norm(self) -> float | None:
         return self.grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step updated the params (False after a
+        step skipped for a non-finite gradient, or before any step)."""
+        return self._step_applied
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: releases every gathered param that is not persistent (to
+        free memory between, say, training and evaluation); a no-op at
+        other stages, where params are never partitioned."""
+        if self.fetcher is not None:
+            self.fetcher.end_backward()
 
     def take_timers(self, keys: Iterable[str] = ("forward", "backward", "step")) -> dict[str, float]:
         """The seconds spent in each phase of `keys` since the last call
@@ -465,22 +479,55 @@ class Engine:
         """Kept for DDP-style scripts: accumulation is already automatic."""
         yield
 
-    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
+        """DeepSpeed's signature. Every rank calls it; returns the tag's
+        directory (docs/checkpoints.md). `exclude_frozen_parameters` is
+        refused by name: fastzero's checkpoints keep frozen params (a few
+        bytes beside the optimizer state) so that a load stays strict."""
         from fastzero.runtime.checkpoint_io import save_checkpoint
 
+        if exclude_frozen_parameters:
+            raise NotImplementedError(
+                "save_checkpoint(exclude_frozen_parameters=True) is not supported yet: fastzero saves frozen params "
+                "with the buffers; leave it False"
+            )
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(
         self,
         load_dir,
         tag=None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
-        load_module_strict: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn=None,
     ):
+        """DeepSpeed's signature and argument order. Returns (the tag's
+        directory, client_state), or (None, None) when there is no
+        ``latest``. `load_module_only`: the weights and buffers only (no
+        optimizer state, schedule, loss scale, step counters or RNG), as
+        DeepSpeed's; `custom_load_fn` is refused by name."""
         from fastzero.runtime.checkpoint_io import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict)
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: leave it None")
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_strict,
+            load_module_only,
+        )
 
 
 def initialize(
