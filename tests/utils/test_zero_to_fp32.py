@@ -82,6 +82,17 @@ def test_exclude_frozen_keeps_buffers(saved):
     assert "scale" in sd
 
 
+def test_exclude_frozen_refuses_a_checkpoint_that_cannot_tell(saved, monkeypatch):
+    """A checkpoint from before extra.pt recorded the frozen names: refused, not guessed."""
+    from fastzero.runtime import checkpoint_io
+
+    read = checkpoint_io._read_extra
+    monkeypatch.setattr(checkpoint_io, "_read_extra", lambda *a: {**read(*a), "frozen_params": None})
+    with pytest.raises(CheckpointError, match="frozen params"):
+        get_fp32_state_dict_from_zero_checkpoint(saved / "ckpt", exclude_frozen_parameters=True)
+    assert "frozen.weight" in get_fp32_state_dict_from_zero_checkpoint(saved / "ckpt")
+
+
 def test_load_into_a_fresh_model_strict(saved):
     model = load_state_dict_from_zero_checkpoint(Tied(), saved / "ckpt", tag="step2")
     same(model.state_dict(), consolidate(saved / "ckpt"))
