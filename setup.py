@@ -128,7 +128,9 @@ setup(
             "numpy",
             "tensorboard>=2.12",
             "transformers>=4.40",  # GPT-2 in tests: tied heads (tests/faults), drift vs torch (tests/runtime)
+            "safetensors>=0.4",  # fastzero.utils.zero_to_fp32's safe_serialization (tests/utils)
         ],
+        "safetensors": ["safetensors>=0.4"],
         "monitor": ["tensorboard>=2.12"],
         "peers": ["deepspeed>=0.14"],
     },

@@ -19,6 +19,12 @@ import torch
 import torch.distributed as dist
 
 from fastzero.comm import FlatLayout, dist_env, init_distributed
+from fastzero.estimate import (  # noqa: F401  (DeepSpeed: deepspeed.runtime.zero.stage_1_and_2, stage3)
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
 from fastzero.runtime.stage3 import (
     WHOLE,
     add_external_param,

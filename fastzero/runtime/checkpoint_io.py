@@ -251,7 +251,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
             aliases, rest = _module_split(engine)
             module_state = {k: v.detach().cpu().clone() for k, v in rest.items()}
             sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+            frozen = sorted(k for k, v in rest.items() if isinstance(v, torch.nn.Parameter))  # the rest: buffers
             extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
+            extra["frozen_params"] = frozen
             checksums = {rank_file(r): inf for r, (_, inf) in enumerate(payloads)}
             checksums["extra.pt"] = files.save_file(path / "extra.pt", extra)
             manifest = {
@@ -542,12 +544,15 @@ def _apply(
     engine._zero_grads()
 
 
-def consolidate(load_dir, tag=None) -> dict[str, torch.Tensor]:
+def consolidate(load_dir, tag=None, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
     """The checkpoint's model as a plain fp32 ``state_dict`` (trainable params
     from their fp32 masters, plus buffers and frozen params, and a tied
     param under each of its names, as one tensor), loadable with
     ``model.load_state_dict``: DeepSpeed's ``zero_to_fp32``. Every file is
-    checked against its checksum."""
+    checked against its checksum. ``exclude_frozen_parameters`` leaves the
+    frozen params (``requires_grad=False``) out, keeping the buffers; a
+    checkpoint written before fastzero recorded which names are frozen
+    params cannot tell them from buffers and raises ``CheckpointError``."""
     path = resolve(load_dir, tag)
     if path is None:
         raise CheckpointError(f"no 'latest' file in {load_dir}; pass the tag")
@@ -555,7 +560,17 @@ def consolidate(load_dir, tag=None) -> dict[str, torch.Tensor]:
     shapes = manifest["params"]
     wanted = {n: [(0, int(torch.Size(s).numel()))] for n, s in shapes.items()}
     pieces = _pieces(path, manifest, wanted)
-    out = dict(_read_extra(path, manifest)["module_state"])
+    extra = _read_extra(path, manifest)
+    out = dict(extra["module_state"])
+    if exclude_frozen_parameters:
+        frozen = extra.get("frozen_params")
+        if frozen is None:
+            raise CheckpointError(
+                f"{path}: this checkpoint does not record which of its module names are frozen params "
+                "(saved by an older fastzero), so exclude_frozen_parameters cannot tell them from buffers"
+            )
+        for name in frozen:
+            out.pop(name, None)
     for name, shape in shapes.items():
         flat = torch.empty(wanted[name][0][1], dtype=torch.float32)
         for piece in pieces.get(name, []):
