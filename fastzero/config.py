@@ -598,7 +598,8 @@ def config_from_args(args: Any, config: Any) -> Any:
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if "deepscale_config" in given:
         warnings.warn("--deepscale_config is deprecated, use --deepspeed_config", FutureWarning, stacklevel=3)
-    if len(set(map(os.fsdecode, given.values()))) > 1:
+    paths = {os.fsdecode(v) if isinstance(v, (str, bytes, os.PathLike)) else id(v) for v in given.values()}
+    if len(paths) > 1:
         listed = " and ".join(f"--{name} {value}" for name, value in given.items())
         raise ConfigError(f"Not sure how to proceed, we were given both {listed}: give one")
     if not given:

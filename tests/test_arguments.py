@@ -3,6 +3,9 @@
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +86,18 @@ def test_version_parts():
     assert fastzero.__version__.startswith(f"{fastzero.__version_major__}.{fastzero.__version_minor__}.")
     assert fastzero.version_info == (fastzero.__version_major__, fastzero.__version_minor__, fastzero.__version_patch__)
     assert all(isinstance(p, int) for p in fastzero.version_info)
+
+
+def test_a_deepspeed_script_reaches_the_submodules_as_attributes():
+    """``deepspeed.comm.get_rank()``, ``deepspeed.utils.RepeatingLoader``: loaded on first use, not by the import."""
+    code = (
+        "import sys, fastzero as deepspeed\n"
+        "assert 'fastzero.comm' not in sys.modules and 'fastzero.utils' not in sys.modules\n"
+        "assert deepspeed.comm.get_rank() == 0 and deepspeed.comm.get_world_size() == 1\n"
+        "assert list(zip(range(3), deepspeed.utils.RepeatingLoader([7]))) == [(0, 7), (1, 7), (2, 7)]\n"
+        "assert callable(deepspeed.zero.Init)\n"
+        "try:\n    deepspeed.no_such_thing\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
