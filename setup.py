@@ -17,6 +17,7 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).resolve().parent
 # Standard library only, so run by path: fastzero (and torch) need not be importable here.
 build = runpy.run_path(str(HERE / "fastzero" / "native" / "build.py"))
+VERSION = runpy.run_path(str(HERE / "fastzero" / "version.py"))["__version__"]
 
 
 def flag(name: str, default: bool) -> bool:
@@ -92,7 +93,7 @@ def extensions():
 
 setup(
     name="fastzero",
-    version="0.1.0",
+    version=VERSION,
     description="Kernel-first large-model training: fused optimizers, ZeRO, offload, sparse attention",
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
@@ -127,6 +128,7 @@ setup(
             "triton>=3.2",
             "numpy",
             "tensorboard>=2.12",
+            "hjson",  # hjson config files (tests/test_config.py); optional for users
             "transformers>=4.40",  # GPT-2 in tests: tied heads (tests/faults), drift vs torch (tests/runtime)
             "safetensors>=0.4",  # fastzero.utils.zero_to_fp32's safe_serialization (tests/utils)
         ],

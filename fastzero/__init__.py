@@ -5,7 +5,19 @@ The kernels are in :mod:`fastzero.ops` (``from fastzero.ops import CPUAdam``);
 (DeepSpeed's API: ``import fastzero as deepspeed`` works for the common calls).
 """
 
-__version__ = "0.1.0"
+from fastzero.arguments import add_config_arguments
+from fastzero.version import __version__, __version_major__, __version_minor__, __version_patch__, version_info
+
+__all__ = [
+    "__version__",
+    "__version_major__",
+    "__version_minor__",
+    "__version_patch__",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+    "version_info",
+]
 
 
 def initialize(*args, **kwargs):
@@ -15,9 +27,24 @@ def initialize(*args, **kwargs):
     return _initialize(*args, **kwargs)
 
 
-def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None, **_ignored):
+def init_distributed(*args, **kwargs):
     """Joins the process group from the launcher's environment (DeepSpeed's
-    ``deepspeed.init_distributed``)."""
+    ``deepspeed.init_distributed``, same parameters): see
+    :func:`fastzero.comm.env.init_distributed`."""
     from fastzero.comm.env import init_distributed as _init
 
-    return _init(dist_backend, timeout_s)
+    return _init(*args, **kwargs)
+
+
+# Submodules a DeepSpeed script reaches as attributes (``deepspeed.comm.get_rank()``,
+# ``deepspeed.zero.Init``, ``deepspeed.utils.RepeatingLoader``), imported on first
+# use so that ``import fastzero`` stays light.
+_SUBMODULES = ("checkpoint", "comm", "ops", "runtime", "utils", "zero")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
+import warnings
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -532,11 +534,16 @@ def _objects(value: Any, path: str) -> Any:
     return value
 
 
-def read_config_file(path: str | Path) -> Any:
+def read_config_file(path: str | os.PathLike) -> Any:
     """The JSON of a config file, every object a dict; ConfigError naming the
-    file when it is missing, a directory, unreadable, not UTF-8 or not JSON,
-    or when an object repeats a key."""
-    path = Path(path)
+    file when it is missing, a directory, unreadable, not UTF-8 or neither
+    JSON nor hjson, or when an object repeats a key.
+
+    JSON is tried first; a file that is not JSON is read as hjson (JSON with
+    comments, unquoted keys and strings, optional commas; DeepSpeed reads
+    every config with hjson) when the optional ``hjson`` package is installed,
+    and otherwise is a ConfigError saying ``pip install hjson``."""
+    path = Path(os.fsdecode(path))
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -552,18 +559,66 @@ def read_config_file(path: str | Path) -> Any:
     try:
         raw = json.loads(text, object_pairs_hook=_Pairs)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+        raw = _read_hjson(path, text, exc)
     try:
         return _objects(raw, "")
     except ConfigError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
 
 
-def load_config(config: str | Path | dict, world_size: int = 1) -> Config:
-    """Parses and validates a DeepSpeed config (a path to a JSON file, or a
-    dict) for a run of `world_size` data-parallel ranks. Loaded from a file,
-    every error names the file too."""
-    if isinstance(config, (str, Path)):
+def _read_hjson(path: Path, text: str, json_error: json.JSONDecodeError) -> Any:
+    """`text`, not JSON (`json_error`), as hjson; objects as :class:`_Pairs`."""
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(
+            f"config file {path} is not valid JSON ({json_error}); if it is hjson, pip install hjson to read it"
+        ) from None
+    try:
+        raw = hjson.loads(text, object_pairs_hook=_Pairs)
+    except hjson.HjsonDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON ({json_error}) nor hjson ({exc})") from None
+    if not isinstance(raw, _Pairs):  # hjson reads almost any text as a string: a config is an object
+        raise ConfigError(
+            f"config file {path} is not valid JSON ({json_error}), and as hjson it is a {type(raw).__name__}, "
+            "not an object"
+        )
+    return raw
+
+
+def config_from_args(args: Any, config: Any) -> Any:
+    """The config ``initialize(args=..., config=...)`` uses: `config`, or the
+    path in ``args.deepspeed_config``, ``args.deepscale_config`` (deprecated,
+    with a FutureWarning) or ``args.fastzero_config`` (the arguments of
+    ``fastzero.add_config_arguments``). ConfigError when two of those name
+    different files, or when `config` is given too (DeepSpeed's assertions)."""
+    if args is None:
+        return config
+    names = ("deepspeed_config", "deepscale_config", "fastzero_config")
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if "deepscale_config" in given:
+        warnings.warn("--deepscale_config is deprecated, use --deepspeed_config", FutureWarning, stacklevel=3)
+    paths = {os.fsdecode(v) if isinstance(v, (str, bytes, os.PathLike)) else id(v) for v in given.values()}
+    if len(paths) > 1:
+        listed = " and ".join(f"--{name} {value}" for name, value in given.items())
+        raise ConfigError(f"Not sure how to proceed, we were given both {listed}: give one")
+    if not given:
+        return config
+    if config is not None:
+        name, value = next(iter(given.items()))
+        raise ConfigError(
+            "Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments and "
+            f"deepspeed.initialize() function call (--{name} {value} and config=): give one"
+        )
+    return next(iter(given.values()))
+
+
+def load_config(config: str | os.PathLike | dict, world_size: int = 1) -> Config:
+    """Parses and validates a DeepSpeed config (a path to a JSON or hjson file:
+    a str or any ``os.PathLike``; or a dict) for a run of `world_size`
+    data-parallel ranks. Loaded from a file, every error names the file too."""
+    if isinstance(config, (str, os.PathLike)):
+        config = os.fsdecode(config)
         raw = read_config_file(config)
         try:
             return _validate(raw, world_size)

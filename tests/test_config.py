@@ -191,6 +191,75 @@ def test_missing_or_broken_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.json"))
     broken = tmp_path / "broken.json"
-    broken.write_text("{ 'single quotes': 1 }")
+    broken.write_text('{"train_batch_size": 8,, }')  # neither JSON nor hjson
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(str(broken))
+
+
+class FsPath:
+    """An os.PathLike that is neither str nor pathlib.Path (as py.path.local)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __fspath__(self):
+        return self.path
+
+
+def test_any_pathlike_is_a_config_path(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}))
+    assert load_config(FsPath(path), world_size=2).gradient_accumulation_steps == 2
+    with pytest.raises(ConfigError, match=f"config file {re.escape(str(tmp_path))}.*nope.json does not exist"):
+        load_config(FsPath(tmp_path / "nope.json"))
+    with pytest.raises(ConfigError, match="config must be a path or a dict, got int"):
+        load_config(3)
+
+
+HJSON = """
+# DeepSpeed reads every config with hjson: comments, bare keys, optional commas
+{
+  train_batch_size: 16  // the global batch
+  train_micro_batch_size_per_gpu: 4
+  optimizer: {
+    type: AdamW
+    params: {lr: 0.001, betas: [0.9, 0.95]}
+  }
+  /* a block comment */
+}
+"""
+
+
+def test_an_hjson_file_with_comments_is_read(tmp_path):
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds_config.hjson"
+    path.write_text(HJSON)
+    c = load_config(path, world_size=2)
+    assert (c.train_batch_size, c.gradient_accumulation_steps) == (16, 2)
+    assert c.optimizer.type == "AdamW" and tuple(c.optimizer.params["betas"]) == (0.9, 0.95)
+
+
+def test_hjson_keeps_the_duplicate_key_check(tmp_path):
+    pytest.importorskip("hjson")
+    path = tmp_path / "dup.hjson"
+    path.write_text("{\n  train_batch_size: 8\n  optimizer: {\n    type: AdamW\n    type: Adam\n  }\n}\n")
+    with pytest.raises(ConfigError, match=r"optimizer.type: the key 'type' appears twice"):
+        load_config(path)
+
+
+def test_hjson_text_that_is_no_object_is_refused(tmp_path):
+    pytest.importorskip("hjson")
+    path = tmp_path / "words.json"
+    path.write_text("just some words")  # hjson: one quoteless string
+    with pytest.raises(ConfigError, match="not valid JSON .*as hjson it is a str, not an object"):
+        load_config(path)
+
+
+def test_without_hjson_a_non_json_file_says_how_to_read_it(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "hjson", None)  # import hjson raises ImportError
+    path = tmp_path / "ds_config.hjson"
+    path.write_text(HJSON)
+    with pytest.raises(ConfigError, match="is not valid JSON .*pip install hjson"):
+        load_config(path)

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -93,14 +93,60 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None, environ=None) -> DistEnv:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: datetime.timedelta | float | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+    *,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    environ=None,
+) -> DistEnv:
     """Joins (or, alone, forms) the default process group. A rank that never
     arrives, or dies, makes the others fail after `timeout_s` seconds
     (default: ``FASTZERO_DIST_TIMEOUT`` or 1800; a finite number > 0) with
     torch.distributed's error instead of hanging. ``FASTZERO_DIST_BACKEND``
     (gloo, nccl, mpi or ucc) overrides the automatic backend. A bad setting
-    raises ValueError naming it."""
+    raises ValueError naming it.
+
+    The positional parameters are DeepSpeed's (``deepspeed.comm.init_distributed``,
+    v0.14-0.16): `dist_backend` (or `backend=`); `timeout` a timedelta (or
+    `timeout_s=` seconds; not both); `init_method` and `rank`/`world_size`
+    (>= 0 / > 0) replace the environment's rendezvous and place in the job;
+    `distributed_port` is the port where MASTER_PORT is unset;
+    `dist_init_required=False` requires a group made already (RuntimeError
+    otherwise). `auto_mpi_discovery`, `verbose` and `config` are accepted and
+    unused: the environment of torchrun, OpenMPI and SLURM is always read
+    (:func:`dist_env`). Returns this process's :class:`DistEnv`."""
+    if backend is not None and dist_backend is not None and backend != dist_backend:
+        raise ValueError(f"dist_backend={dist_backend!r} and backend={backend!r}: give one")
+    backend = dist_backend if dist_backend is not None else backend
+    if timeout is not None:
+        if timeout_s is not None:
+            raise ValueError("timeout= and timeout_s= given together: give one")
+        timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    base = os.environ if environ is None else environ
+    if "MASTER_PORT" not in base and distributed_port != DEFAULT_PORT:
+        environ = dict(base, MASTER_PORT=str(distributed_port))
+    if dist_init_required is False and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "init_distributed(dist_init_required=False) but torch.distributed is not initialized: "
+            "leave dist_init_required unset, or make the process group first"
+        )
     env = dist_env(environ)
+    if rank >= 0 or world_size > 0:
+        rank = env.rank if rank < 0 else rank
+        world_size = env.world_size if world_size <= 0 else world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: the rank must be in [0, world_size)")
+        env = replace(env, rank=rank, world_size=world_size)
     environ = os.environ if environ is None else environ
     if timeout_s is None:
         timeout_s = env_float(
@@ -126,7 +172,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        init_method=init_method or f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

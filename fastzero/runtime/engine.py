@@ -547,11 +547,15 @@ def initialize(
     when there is more than one rank and none exists yet."""
     if model is None:
         raise ValueError("initialize() needs model=")
+    from fastzero.config import config_from_args  # here: Engine's imports above are another change's
+
     config = config if config is not None else config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "fastzero_config", None)
+    # --deepspeed_config / --deepscale_config / --fastzero_config (fastzero.add_config_arguments)
+    config = config_from_args(args, config)
     if config is None:
-        raise ConfigError("initialize() needs config= (a path to ds_config.json or a dict)")
+        raise ConfigError(
+            "initialize() needs config= (a path to ds_config.json or a dict) or args with --deepspeed_config"
+        )
     env = dist_env()
     if env.world_size > 1 and dist_init_required is not False:
         init_distributed()

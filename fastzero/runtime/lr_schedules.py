@@ -256,6 +256,15 @@ class OneCycle(_Schedule):
             return self.max_mom - (self.max_mom - self.min_mom) * self._scale()
         return self.max_mom * (1 + self.decay_mom_rate * self._decay())
 
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """DeepSpeed's ``OneCycle.get_mom``: each group's ``(beta1, beta2)`` at
+        ``last_batch_iteration`` (beta1 from :meth:`get_momentum`, each
+        group's own beta2), or None when momentum does not cycle."""
+        if not self.cycle_momentum:
+            return None
+        beta1 = self.get_momentum()
+        return [(beta1, group["betas"][1]) for group in self.optimizer.param_groups]
+
     def step(self, last_batch_iteration: int | None = None) -> None:
         super().step(last_batch_iteration)
         if self.cycle_momentum:

@@ -176,6 +176,27 @@ def test_one_cycle_keeps_each_groups_beta2():
     assert opt.param_groups[0]["betas"][1] == 0.95  # DeepSpeed's would be 0.99
 
 
+def test_one_cycle_get_mom_is_deepspeeds():
+    """get_mom: (beta1, beta2) per group at last_batch_iteration, what step() applies; None without cycling."""
+    opt = optimizer()
+    for group, beta2 in zip(opt.param_groups, (0.99, 0.95)):
+        group["betas"] = (0.9, beta2)
+    sched = OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=4, cycle_min_mom=0.8)
+    seen = []
+    for _ in range(9):
+        sched.step()
+        mom = sched.get_mom()
+        assert mom == [tuple(g["betas"]) for g in opt.param_groups]
+        assert [b2 for _, b2 in mom] == [0.99, 0.95]
+        seen.append(mom[0][0])
+    # beta1 falls from max_mom to min_mom over the first 4 steps, back over the next 4, then stays (no decay)
+    assert seen == pytest.approx([0.875, 0.85, 0.825, 0.8, 0.825, 0.85, 0.875, 0.9, 0.9])
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert OneCycle(sgd, cycle_min_lr=0.01, cycle_max_lr=0.1).get_mom() is None
+    no_cycle = OneCycle(optimizer(), cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_momentum=False)
+    assert no_cycle.get_mom() is None
+
+
 def test_every_configured_schedule_exists():
     from fastzero.config import SCHEDULER_PARAMS
 

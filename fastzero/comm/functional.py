@@ -1,0 +1,317 @@
+"""torch.distributed's functional surface under DeepSpeed's names
+(``import deepspeed.comm as dist`` becomes ``import fastzero.comm as dist``;
+names and defaults from ``deepspeed/comm/comm.py``, v0.14-0.16).
+
+Each call is a thin delegation to :mod:`torch.distributed` once a process
+group exists. Without one, in a process that is alone in its job (the
+launcher's environment says world size 1, or says nothing), every collective
+is what it is on one rank: all_reduce, reduce, broadcast and barrier leave the
+tensor as it is; all_gather, gather, scatter, all_gather_into_tensor,
+reduce_scatter_tensor and all_to_all_single copy the input to the output.
+So a script written for several ranks also runs as one plain process, as
+:class:`fastzero.comm.Comm` does. With ``async_op=True`` they return a work
+handle that is already done. Send and receive have no peer there and raise.
+Without a process group in a job of several ranks, every collective raises
+RuntimeError (call :func:`fastzero.comm.init_distributed` first) rather than
+return one rank's values as if they were the job's.
+
+DeepSpeed's profiling keywords (``prof``, ``log_name``, ``debug``) are not
+taken: fastzero records its own collectives in :class:`~fastzero.comm.Comm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastzero.comm.env import dist_env
+
+ReduceOp = dist.ReduceOp
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+]
+
+
+class _Done:
+    """The handle of a collective that finished when it was called (one process, no group)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+def _result(async_op: bool):
+    return _Done() if async_op else None
+
+
+def is_available() -> bool:
+    """Whether this torch build has torch.distributed."""
+    return dist.is_available()
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _alone(what: str, group=None) -> bool:
+    """True when `what` must run locally: no process group and a job of one
+    process. RuntimeError when there is no group but the launcher started
+    several ranks, or a group object is passed without a process group."""
+    if is_initialized():
+        return False
+    env = dist_env()
+    if env.world_size > 1:
+        raise RuntimeError(
+            f"{what}: torch.distributed is not initialized but this is rank {env.rank} of {env.world_size}; "
+            "call fastzero.comm.init_distributed() (or fastzero.initialize) first"
+        )
+    if group is not None:
+        raise RuntimeError(f"{what}: group={group!r} given but torch.distributed is not initialized")
+    return True
+
+
+def _root(what: str, name: str, value) -> None:
+    if value not in (0, None):
+        raise ValueError(f"{what}: {name}={value!r} but the only rank of a single process is 0")
+
+
+def _copy(what: str, out: Tensor, inp: Tensor) -> None:
+    if out.numel() != inp.numel():
+        raise ValueError(
+            f"{what}: output has {out.numel()} elements and input {inp.numel()}; on one rank they are the same"
+        )
+    out.copy_(inp.reshape(out.shape))
+
+
+def _one(what: str, tensors: Sequence, name: str) -> None:
+    if tensors is None or len(tensors) != 1:
+        n = None if tensors is None else len(tensors)
+        raise ValueError(f"{what}: {name} has {n} entries; a single process needs exactly 1")
+
+
+# --- who is where ---------------------------------------------------------------------------
+
+
+def get_rank(group=None) -> int:
+    """This process's rank in `group` (the default group when None); without a
+    process group, the launcher's RANK (0 in a plain process)."""
+    if is_initialized():
+        return dist.get_rank(group)
+    return dist_env().rank
+
+
+def get_world_size(group=None) -> int:
+    """The number of ranks in `group`; without a process group, the launcher's
+    WORLD_SIZE (1 in a plain process)."""
+    if is_initialized():
+        return dist.get_world_size(group)
+    return dist_env().world_size
+
+
+def get_local_rank() -> int:
+    """This process's rank on its host: LOCAL_RANK (or OpenMPI's / SLURM's), 0 when unset."""
+    return dist_env().local_rank
+
+
+def get_global_rank(group=None, group_rank: int = 0) -> int:
+    """The global rank of `group_rank` in `group` (the default group when None)."""
+    if is_initialized():
+        return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+    _root("get_global_rank", "group_rank", group_rank)
+    return 0
+
+
+def get_world_group():
+    """The default group (``torch.distributed.group.WORLD``; None without a process group)."""
+    return dist.group.WORLD if is_initialized() else None
+
+
+def new_group(ranks=None, **kwargs):
+    """A group of `ranks` (torch.distributed.new_group; every rank must call it).
+    Without a process group, only ``[0]`` (or None) and returns None, the default group."""
+    if is_initialized():
+        return dist.new_group(ranks, **kwargs)
+    _alone("new_group")
+    if ranks is not None and list(ranks) != [0]:
+        raise ValueError(f"new_group: ranks={list(ranks)!r} but a single process has only rank 0")
+    return None
+
+
+def destroy_process_group(group=None) -> None:
+    """Destroys `group` (the default group and every other when None); nothing without one."""
+    if is_initialized():
+        dist.destroy_process_group(group)
+
+
+# --- collectives ----------------------------------------------------------------------------
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None):
+    if _alone("barrier", group):
+        return _result(async_op)
+    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+
+def all_reduce(tensor: Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """`tensor` becomes the reduction (`op`) of every rank's `tensor`, in place."""
+    if _alone("all_reduce", group):
+        return _result(async_op)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce(tensor: Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """Rank `dst`'s `tensor` becomes the reduction of every rank's."""
+    if _alone("reduce", group):
+        _root("reduce", "dst", dst)
+        return _result(async_op)
+    return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: Tensor, src: int, group=None, async_op: bool = False):
+    """Every rank's `tensor` becomes rank `src`'s."""
+    if _alone("broadcast", group):
+        _root("broadcast", "src", src)
+        return _result(async_op)
+    return dist.broadcast(tensor, src, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list: list[Tensor], tensor: Tensor, group=None, async_op: bool = False):
+    """``tensor_list[r]`` becomes rank r's `tensor`."""
+    if _alone("all_gather", group):
+        _one("all_gather", tensor_list, "tensor_list")
+        _copy("all_gather", tensor_list[0], tensor)
+        return _result(async_op)
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group=None, async_op: bool = False):
+    """`output_tensor` (world size times the input) becomes every rank's input, in rank order."""
+    if _alone("all_gather_into_tensor", group):
+        _copy("all_gather_into_tensor", output_tensor, input_tensor)
+        return _result(async_op)
+    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output_tensor: Tensor, input_tensor: Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
+):
+    """Rank r's `output_tensor` becomes chunk r of the reduction of every rank's `input_tensor`."""
+    if _alone("reduce_scatter_tensor", group):
+        _copy("reduce_scatter_tensor", output_tensor, input_tensor)
+        return _result(async_op)
+    return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int = 0, group=None, async_op=False):
+    """Rank `dst`'s ``gather_list[r]`` becomes rank r's `tensor`."""
+    if _alone("gather", group):
+        _root("gather", "dst", dst)
+        _one("gather", gather_list, "gather_list")
+        _copy("gather", gather_list[0], tensor)
+        return _result(async_op)
+    return dist.gather(tensor, gather_list, dst, group=group, async_op=async_op)
+
+
+def scatter(tensor: Tensor, scatter_list: list[Tensor] | None = None, src: int = 0, group=None, async_op=False):
+    """Rank r's `tensor` becomes rank `src`'s ``scatter_list[r]``."""
+    if _alone("scatter", group):
+        _root("scatter", "src", src)
+        _one("scatter", scatter_list, "scatter_list")
+        _copy("scatter", tensor, scatter_list[0])
+        return _result(async_op)
+    return dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: Tensor,
+    tensor: Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group=None,
+    async_op: bool = False,
+):
+    """Rank r's chunk j of `tensor` lands in rank j's `output` as chunk r."""
+    if _alone("all_to_all_single", group):
+        _copy("all_to_all_single", output, tensor)
+        return _result(async_op)
+    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+
+def all_gather_object(object_list: list, obj, group=None):
+    """``object_list[r]`` becomes rank r's picklable `obj`."""
+    if _alone("all_gather_object", group):
+        _one("all_gather_object", object_list, "object_list")
+        object_list[0] = obj
+        return None
+    return dist.all_gather_object(object_list, obj, group=group)
+
+
+def broadcast_object_list(object_list: list, src: int = 0, group=None, device: torch.device | None = None):
+    """Every rank's `object_list` becomes rank `src`'s."""
+    if _alone("broadcast_object_list", group):
+        _root("broadcast_object_list", "src", src)
+        return None
+    return dist.broadcast_object_list(object_list, src, group=group, device=device)
+
+
+# --- point to point -------------------------------------------------------------------------
+
+
+def _no_peer(what: str, group) -> None:
+    if _alone(what, group):
+        raise RuntimeError(f"{what}: a single process without a process group has no peer to talk to")
+
+
+def send(tensor: Tensor, dst: int, group=None, tag: int = 0) -> None:
+    _no_peer("send", group)
+    return dist.send(tensor, dst, group=group, tag=tag)
+
+
+def recv(tensor: Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
+    _no_peer("recv", group)
+    return dist.recv(tensor, src, group=group, tag=tag)
+
+
+def isend(tensor: Tensor, dst: int, group=None, tag: int = 0):
+    _no_peer("isend", group)
+    return dist.isend(tensor, dst, group=group, tag=tag)
+
+
+def irecv(tensor: Tensor, src: int | None = None, group=None, tag: int = 0):
+    _no_peer("irecv", group)
+    return dist.irecv(tensor, src, group=group, tag=tag)
