@@ -25,7 +25,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint files", ("fastzero.runtime.checkpoint_files",)),
     ("checkpoint manifest", ("fastzero.runtime.checkpoint_manifest",)),
     ("runtime", ("fastzero.runtime",)),
-    ("entry points", ("fastzero", "fastzero.zero", "fastzero.checkpoint", "fastzero.launcher")),
+    (
+        "entry points",
+        (
+            "fastzero",
+            "fastzero.zero",
+            "fastzero.checkpoint",
+            "fastzero.launcher",
+            "fastzero.launch_agent",
+            "fastzero.launch_hosts",
+            "fastzero.launch_runners",
+        ),
+    ),
     ("bench", ("fastzero.bench",)),
 ]
 
