@@ -106,7 +106,7 @@ def local_plan(job: Job, nnodes: int, node_rank: int, slots: list[int]) -> Plan:
 
 
 def _remote_shell(job: Job, env: dict[str, str], argv: list[str]) -> str:
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**job.exports, **env}.items())
+    exports = " ".join(shlex.quote(f"{k}={v}") for k, v in {**job.exports, **env}.items())
     return f"cd {shlex.quote(job.cwd)} && env {exports} {shlex.quote(job.python)} {shlex.join(argv)}"
 
 

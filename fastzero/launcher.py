@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -244,13 +245,42 @@ def _elastic(args: argparse.Namespace, nnodes: int) -> tuple[int, int] | None:
     return lo, hi
 
 
-def _exports() -> dict[str, str]:
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(EXPORT_PREFIXES)}
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _check_cores(args: argparse.Namespace, nproc: int) -> None:
-    """With core binding, this host needs a core per local rank."""
-    if not args.bind_cores_to_rank:
+def read_env_files() -> dict[str, str]:
+    """DeepSpeed's ``.deepspeed_env`` (``DS_ENV_FILE`` names it) in the home
+    directory, then the current one: ``NAME=value`` lines exported to every
+    host (blank lines and ``#`` comments skipped)."""
+    name = os.environ.get("DS_ENV_FILE") or ".deepspeed_env"
+    out: dict[str, str] = {}
+    for folder in (Path.home(), Path(".")):
+        path = folder / name
+        if not path.is_file():
+            continue
+        for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, eq, value = line.partition("=")
+            if not eq or ENV_NAME_RE.fullmatch(key.strip()) is None:
+                raise LaunchError(f"{path}:{lineno}: {line!r} is not NAME=value")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _exports(cwd: str) -> dict[str, str]:
+    """What every host gets: this one's training environment, the current
+    directory first on PYTHONPATH (as DeepSpeed), the .deepspeed_env files."""
+    out = {k: v for k, v in sorted(os.environ.items()) if k.startswith(EXPORT_PREFIXES)}
+    out["PYTHONPATH"] = cwd + (":" + out["PYTHONPATH"] if out.get("PYTHONPATH") else "")
+    return {**out, **read_env_files()}
+
+
+def _check_cores(args: argparse.Namespace, nproc: int, here: bool = True) -> None:
+    """With core binding, a core per local rank (of this host's, or of
+    --bind_core_list on other hosts)."""
+    if not args.bind_cores_to_rank or (not here and not args.bind_core_list):
         return
     cores = parse_core_list(args.bind_core_list) if args.bind_core_list else sorted(os.sched_getaffinity(0))
     if len(cores) < nproc:
@@ -289,13 +319,14 @@ def plan(args: argparse.Namespace) -> Plan:
         raise LaunchError("--node_rank is for a launch on one host, without a hostfile")
     hosts = select_resources(read_hostfile(hostfile), args.include, args.exclude, args.nnodes, args.nproc_per_node)
     job.hostfile = hostfile
-    _check_cores(args, max(len(s) for s in hosts.values()))
     if not args.force_multi and len(hosts) == 1:  # DeepSpeed: one host is this one, no ssh
         ((slots),) = hosts.values()
+        _check_cores(args, len(slots))
         job.elastic = _elastic(args, 1)
         return local_plan(job, 1, 0, slots)
     job.master_addr = args.master_addr or next(iter(hosts))
-    job.exports = _exports()
+    _check_cores(args, max(len(s) for s in hosts.values()), here=False)
+    job.exports = _exports(job.cwd)
     job.elastic = _elastic(args, len(hosts))
     if args.launcher in (*MPI_RUNNERS, "slurm"):
         if job.elastic is not None or args.max_restarts:

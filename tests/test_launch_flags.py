@@ -434,3 +434,21 @@ def test_no_local_rank(tmp_path):
     for rank, got in enumerate(run_print_args(tmp_path, "--no_local_rank")):
         assert got["argv"] == [str(tmp_path / "out")] and got["local_rank_arg"] is None
         assert got["LOCAL_RANK"] == str(rank)
+
+
+def test_exports_deepspeed_env_and_cwd_on_pythonpath(no_job_hostfile, monkeypatch):
+    home, work = no_job_hostfile / "home", no_job_hostfile / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\nMY_VAR = a b\n")
+    (work / ".deepspeed_env").write_text("# here\n\nMY_VAR=c\n")
+    (work / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("PYTHONPATH", "/lib")
+    monkeypatch.delenv("DS_ENV_FILE", raising=False)
+    monkeypatch.chdir(work)
+    (cmd, _) = commands(["-H", "hosts"])
+    assert f"PYTHONPATH={work}:/lib " in cmd[-1] and " NCCL_IB_DISABLE=1 " in cmd[-1] and " MY_VAR=c " in cmd[-1]
+    (work / ".deepspeed_env").write_text("$(id)=1\n")
+    with pytest.raises(LaunchError, match=r".deepspeed_env:1: '\$\(id\)=1' is not NAME=value"):
+        commands(["-H", "hosts"])
