@@ -45,6 +45,7 @@ WORKER_FLAG = "--worker"
 EOF_FLAG = "--exit_on_stdin_eof"
 NO_LOCAL_RANK_ENV = "_FASTZERO_NO_LOCAL_RANK"
 BIND_CORES_ENV = "_FASTZERO_BIND_CORES"
+RUN_AS_ENV = "_FASTZERO_RUN_AS"  # "module": python -m script; "exec": the script itself, no python
 
 # (rank, world size, local rank, local size) as each MPI/SLURM starter names them.
 RANK_VARIABLES = (
@@ -103,9 +104,13 @@ def bind_cores(spec: str, local_rank: int, local_size: int) -> list[int]:
 
 
 def worker_argv(script: str, args: list[str], env: dict[str, str]) -> list[str]:
-    """The script's command line: ``python -u script [--local_rank=N] args``."""
+    """The script's command line: ``python -u script [--local_rank=N] args``
+    (``python -u -m script ...`` or ``script ...`` as RUN_AS_ENV says)."""
     local = [] if env.get(NO_LOCAL_RANK_ENV) == "1" else [f"--local_rank={env.get('LOCAL_RANK', '0')}"]
-    return [sys.executable, "-u", script, *local, *args]
+    run_as = env.get(RUN_AS_ENV, "")
+    if run_as == "exec":
+        return [script, *local, *args]
+    return [sys.executable, "-u", *(["-m"] if run_as == "module" else []), script, *local, *args]
 
 
 def _worker(argv: list[str]) -> None:
@@ -123,7 +128,8 @@ def _worker(argv: list[str]) -> None:
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         mine = bind_cores(spec, int(os.environ.get("LOCAL_RANK", "0")), local_size)
         os.environ["OMP_NUM_THREADS"] = str(len(mine))
-    os.execv(sys.executable, worker_argv(argv[0], argv[1:], dict(os.environ)))
+    command = worker_argv(argv[0], argv[1:], dict(os.environ))
+    os.execvp(command[0], command)
 
 
 def _hang_up_on_eof() -> None:

@@ -21,6 +21,7 @@ from fastzero.launch_agent import (
     BIND_CORES_ENV,
     EOF_FLAG,
     NO_LOCAL_RANK_ENV,
+    RUN_AS_ENV,
     WORKER_FLAG,
 )
 from fastzero.launch_hosts import LaunchError, Resources
@@ -48,6 +49,8 @@ class Job:
     exports: dict[str, str] = field(default_factory=dict)  # this host's environment worth passing on
     launcher_args: list[str] = field(default_factory=list)
     hostfile: str | None = None
+    run_as: str = ""  # "module" (--module) or "exec" (--no_python)
+    ssh_port: int | None = None
 
 
 @dataclass
@@ -58,8 +61,8 @@ class Plan:
 
 
 def worker_env(job: Job) -> dict[str, str]:
-    """What the worker shim reads: --no_local_rank and core binding."""
-    env = {}
+    """What the worker shim reads: --no_local_rank, core binding, --module/--no_python."""
+    env = {RUN_AS_ENV: job.run_as} if job.run_as else {}
     if job.no_local_rank:
         env[NO_LOCAL_RANK_ENV] = "1"
     if job.bind_core_list is not None:
@@ -116,7 +119,8 @@ def ssh_plan(job: Job, hosts: Resources) -> Plan:
         agent = agent_args(job, len(hosts), rank, len(slots))
         agent.insert(2, EOF_FLAG)  # the ssh connection closing stops that host's job
         env = {**visible_devices(slots), **worker_env(job)}
-        commands.append(["ssh", "-o", "BatchMode=yes", *job.launcher_args, host, _remote_shell(job, env, agent)])
+        port = ["-p", str(job.ssh_port)] if job.ssh_port is not None else []
+        commands.append(["ssh", "-o", "BatchMode=yes", *port, *job.launcher_args, host, _remote_shell(job, env, agent)])
     return Plan(commands, ssh_stdin=True)
 
 
@@ -132,7 +136,10 @@ def pdsh_plan(job: Job, hosts: Resources) -> Plan:
     slots = _uniform(hosts, "pdsh")
     env = {**visible_devices(slots), **worker_env(job)}
     remote = _remote_shell(job, env, agent_args(job, len(hosts), "%n", len(slots)))
-    argv = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(hosts), *job.launcher_args, remote]
+    rcmd = [] if "-R" in job.launcher_args else ["-R", "ssh"]  # DeepSpeed: PDSH_RCMD_TYPE=ssh
+    argv = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(hosts), *rcmd, *job.launcher_args, remote]
+    if job.ssh_port is not None:
+        argv = ["env", f"PDSH_SSH_ARGS_APPEND=-p {job.ssh_port}", *argv]
     return Plan([argv])
 
 

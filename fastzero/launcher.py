@@ -36,6 +36,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic_training", action="store_true", help="torchrun's elastic rendezvous (c10d)")
     p.add_argument("--min_elastic_nodes", type=int, default=None, help="elastic: fewest hosts (default 1)")
     p.add_argument("--max_elastic_nodes", type=int, default=None, help="elastic: most hosts (default: all)")
+    p.add_argument("--module", action="store_true", help="the script is a module: python -m script")
+    p.add_argument("--no_python", action="store_true", help="run the script itself, not with python")
+    p.add_argument("--ssh_port", type=int, default=None, help="ssh's port (--launcher ssh or pdsh)")
+    p.add_argument("--no_ssh_check", action="store_true", help="accepted for DeepSpeed; fastzero does no ssh check")
+    p.add_argument("--log_level", default="info", help="accepted for DeepSpeed; no effect")
+    p.add_argument("-q", "--quiet", action="store_true", help="accepted for DeepSpeed; no effect")
     p.add_argument("--dry_run", action="store_true", help="print the commands instead of running them")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -202,12 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be checked before anything starts."""
+    if args.module and args.no_python:
+        raise LaunchError("--module and --no_python do not mix")
+    if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
+        raise LaunchError(f"--ssh_port {args.ssh_port}: must be a TCP port, 1 to 65535")
     script = Path(args.script)
-    if not script.exists():
+    if args.module:
+        if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", args.script) is None:
+            raise LaunchError(f"--module {args.script}: not a module name")
+    elif args.no_python and not script.exists() and shutil.which(args.script) is not None:
+        pass  # a command on PATH
+    elif not script.exists():
         raise LaunchError(f"{args.script}: no such training script")
-    if script.is_dir():
+    elif script.is_dir():
         raise LaunchError(f"{args.script} is a directory; give the training script's path")
-    if not os.access(script, os.R_OK):
+    elif not os.access(script, os.R_OK):
         raise LaunchError(f"{args.script}: the training script is not readable")
     if not 1 <= args.master_port <= 65535:
         raise LaunchError(f"--master_port {args.master_port}: must be a TCP port, 1 to 65535")
@@ -301,6 +317,8 @@ def plan(args: argparse.Namespace) -> Plan:
         bind_core_list=(args.bind_core_list or "all") if args.bind_cores_to_rank else None,
         elastic_run_id=os.environ.get("ELASTIC_RUN_ID") or "123456789",
         launcher_args=shlex.split(args.launcher_args),
+        run_as="module" if args.module else "exec" if args.no_python else "",
+        ssh_port=args.ssh_port,
     )
     hostfile = args.hostfile
     if hostfile is None and args.node_rank is None and Path(DEFAULT_HOSTFILE).is_file():

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from fastzero import launcher
-from fastzero.launch_agent import BIND_CORES_ENV, NO_LOCAL_RANK_ENV, rank_environment, worker_argv
+from fastzero.launch_agent import BIND_CORES_ENV, NO_LOCAL_RANK_ENV, RUN_AS_ENV, rank_environment, worker_argv
 from fastzero.launch_hosts import (
     LaunchError,
     cores_for_rank,
@@ -25,7 +25,7 @@ from fastzero.launch_hosts import (
 )
 from fastzero.launch_runners import MVAPICH_HOSTFILE, Job, multi_node_plan
 from tests.dist import free_port
-from tests.paths import WORKERS
+from tests.paths import REPO, WORKERS
 
 SCRIPT = WORKERS / "print_args.py"
 W4 = [0, 1, 2, 3]
@@ -404,13 +404,14 @@ def test_core_lists_as_deepspeed():
 # A real launch: 1 node, 2 ranks
 
 
-def run_print_args(tmp_path, *flags):
+def run_print_args(tmp_path, *flags, script=str(SCRIPT)):
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "fastzero.launcher", "--num_gpus", "2", "--master_port", str(free_port()), *flags]
-        + [str(SCRIPT), str(out)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        + [script, str(out)],
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
         capture_output=True,
         text=True,
         timeout=120,
@@ -430,8 +431,11 @@ def test_local_rank_reaches_the_script(tmp_path):
             assert got["cores"] == cores[share * rank : share * (rank + 1)] and got["OMP_NUM_THREADS"] == str(share)
 
 
-def test_no_local_rank(tmp_path):
-    for rank, got in enumerate(run_print_args(tmp_path, "--no_local_rank")):
+def test_no_local_rank_and_module(tmp_path):
+    """--no_local_rank, and the script run as a module (--module)."""
+    for rank, got in enumerate(
+        run_print_args(tmp_path, "--no_local_rank", "--module", script="tests.workers.print_args")
+    ):
         assert got["argv"] == [str(tmp_path / "out")] and got["local_rank_arg"] is None
         assert got["LOCAL_RANK"] == str(rank)
 
@@ -452,3 +456,37 @@ def test_exports_deepspeed_env_and_cwd_on_pythonpath(no_job_hostfile, monkeypatc
     (work / ".deepspeed_env").write_text("$(id)=1\n")
     with pytest.raises(LaunchError, match=r".deepspeed_env:1: '\$\(id\)=1' is not NAME=value"):
         commands(["-H", "hosts"])
+
+
+def test_pdsh_over_ssh_and_ssh_port():
+    (cmd,) = multi_node_plan("pdsh", job(ssh_port=2222), HOSTS).commands
+    assert cmd[:10] == [
+        "env",
+        "PDSH_SSH_ARGS_APPEND=-p 2222",
+        "pdsh",
+        "-S",
+        "-f",
+        "1024",
+        "-w",
+        "node-a,node-b",
+        "-R",
+        "ssh",
+    ]
+    first, _ = multi_node_plan("ssh", job(ssh_port=2222), HOSTS).commands
+    assert first[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "node-a"]
+
+
+def test_module_and_no_python(no_job_hostfile):
+    assert worker_argv("pkg.train", ["--x"], {"LOCAL_RANK": "1", RUN_AS_ENV: "module"}) == [
+        sys.executable, "-u", "-m", "pkg.train", "--local_rank=1", "--x",
+    ]  # fmt: skip
+    assert worker_argv("./run.sh", [], {RUN_AS_ENV: "exec"}) == ["./run.sh", "--local_rank=0"]
+
+
+def test_module_names_are_checked(no_job_hostfile, capsys):
+    assert launcher.main(["--module", "--dry_run", "pkg.train"]) == 0
+    assert capsys.readouterr().out.startswith(f"env {RUN_AS_ENV}=module ")
+    assert launcher.main(["--module", "--dry_run", "pkg/train.py"]) == 2
+    assert "--module pkg/train.py: not a module name" in capsys.readouterr().err
+    assert launcher.main(["--module", "--no_python", "--dry_run", "pkg.train"]) == 2
+    assert "--module and --no_python do not mix" in capsys.readouterr().err
