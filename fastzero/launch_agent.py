@@ -14,6 +14,17 @@ process, with two things torchrun alone does not do.
   SIGKILL when its parent (torchrun) dies (``prctl(PR_SET_PDEATHSIG)``,
   Linux) and then execs the script in the same process, same pid.
 
+The shim also does what DeepSpeed's launcher does for each rank: it passes
+``--local_rank=N`` to a script that declares it (its source mentions
+``local_rank``), first of its arguments (not with
+``_FASTZERO_NO_LOCAL_RANK=1``, the launcher's ``--no_local_rank``); started
+by mpirun or srun instead of torchrun, it sets RANK, WORLD_SIZE and
+LOCAL_RANK from the MPI/SLURM variables; with ``_FASTZERO_BIND_CORES``
+(``all`` or a list such as ``0-7,16-23``, the launcher's
+``--bind_cores_to_rank``/``--bind_core_list``) it pins itself to its share
+of the cores, DeepSpeed's split (len // local ranks each, in order), and
+sets OMP_NUM_THREADS to that share's size.
+
 ``python -m fastzero.launch_agent [--exit_on_stdin_eof] <torchrun args>``:
 with ``--exit_on_stdin_eof`` (the launcher's ssh mode) an end of file on
 stdin, i.e. the ssh connection to the launcher closed, stops the job as a
@@ -33,6 +44,17 @@ AGENT_PID = "_FASTZERO_AGENT_PID"  # set by the agent for its workers: who their
 
 WORKER_FLAG = "--worker"
 EOF_FLAG = "--exit_on_stdin_eof"
+NO_LOCAL_RANK_ENV = "_FASTZERO_NO_LOCAL_RANK"
+BIND_CORES_ENV = "_FASTZERO_BIND_CORES"
+RUN_AS_ENV = "_FASTZERO_RUN_AS"  # "module": python -m script; "exec": the script itself, no python
+
+# (rank, world size, local rank, local size) as each MPI/SLURM starter names them.
+RANK_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
 
 # libc for prctl, loaded once here: a preexec_fn (after fork, before exec) must not load libraries.
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -56,15 +78,84 @@ def exit_code_of(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
+def rank_environment(env: dict[str, str]) -> dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from an MPI or SLURM
+    starter's variables, where torchrun's are not set ({} if neither)."""
+    if "RANK" in env:
+        return {}
+    for rank, size, local, local_size in RANK_VARIABLES:
+        if rank in env and size in env:
+            out = {"RANK": env[rank], "WORLD_SIZE": env[size], "LOCAL_RANK": env.get(local, "0")}
+            if local_size in env or "LOCAL_SIZE" in env:
+                out["LOCAL_WORLD_SIZE"] = env.get(local_size) or env["LOCAL_SIZE"]
+            if local not in env and "LOCAL_SIZE" in env:  # MPICH without MPI_LOCALRANKID: ranks fill hosts in order
+                out["LOCAL_RANK"] = str(int(env[rank]) % int(env["LOCAL_SIZE"]))
+            return out
+    return {}
+
+
+def bind_cores(spec: str, local_rank: int, local_size: int) -> list[int]:
+    """This rank's share of the cores (``all``: those this process may use)."""
+    from fastzero.launch_hosts import cores_for_rank, parse_core_list
+
+    cores = sorted(os.sched_getaffinity(0)) if spec == "all" else parse_core_list(spec)
+    mine = cores_for_rank(cores, local_size, local_rank)
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
+def declares_local_rank(script: str, run_as: str = "") -> bool:
+    """Whether the script (a path, or a module name with ``run_as ==
+    "module"``) mentions ``local_rank``, as a DeepSpeed script declaring
+    ``--local_rank`` does. A script that does not would fail on the unknown
+    argument (argparse) or read it as its own; one that cannot be read gets
+    it, as DeepSpeed gives it to every script."""
+    path = script
+    if run_as == "module":
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(script)
+        except (ImportError, ValueError):
+            return True
+        path = spec.origin if spec is not None and spec.origin else ""
+    try:
+        with open(path, "rb") as f:
+            return b"local_rank" in f.read(1 << 24)
+    except OSError:
+        return True
+
+
+def worker_argv(script: str, args: list[str], env: dict[str, str]) -> list[str]:
+    """The script's command line: ``python -u script [--local_rank=N] args``
+    (``python -u -m script ...`` or ``script ...`` as RUN_AS_ENV says);
+    ``--local_rank`` only for a script that declares it (see
+    :func:`declares_local_rank`) and not with ``--no_local_rank``."""
+    wanted = env.get(NO_LOCAL_RANK_ENV) != "1" and declares_local_rank(script, env.get(RUN_AS_ENV, ""))
+    local = [f"--local_rank={env.get('LOCAL_RANK', '0')}"] if wanted else []
+    run_as = env.get(RUN_AS_ENV, "")
+    if run_as == "exec":
+        return [script, *local, *args]
+    return [sys.executable, "-u", *(["-m"] if run_as == "module" else []), script, *local, *args]
+
+
 def _worker(argv: list[str]) -> None:
-    """``--worker script args``: becomes ``python -u script args`` after
-    arranging to die with torchrun."""
+    """``--worker script args``: becomes ``python -u script [--local_rank=N]
+    args`` after arranging to die with torchrun (and the rank variables and
+    core binding above)."""
     if not argv:
         sys.exit("fastzero.launch_agent --worker: no script given")
     parent = os.environ.get(AGENT_PID)
     if parent is not None:
         die_with_parent(int(parent))
-    os.execv(sys.executable, [sys.executable, "-u", argv[0], *argv[1:]])
+    os.environ.update(rank_environment(dict(os.environ)))
+    spec = os.environ.get(BIND_CORES_ENV)
+    if spec:
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        mine = bind_cores(spec, int(os.environ.get("LOCAL_RANK", "0")), local_size)
+        os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    command = worker_argv(argv[0], argv[1:], dict(os.environ))
+    os.execvp(command[0], command)
 
 
 def _hang_up_on_eof() -> None:

@@ -1,12 +1,14 @@
 """A training script as a user writes it, for the launcher tests: four
 fastzero stage-2 steps on the same global batches whatever the world size;
-rank 0 saves the params to argv[1]."""
+rank 0 saves the params to argv[1] (after the launcher's --local_rank=N)."""
 
 import sys
 
 import torch
 
 import fastzero
+
+argv = [a for a in sys.argv if not a.startswith("--local_rank=")]
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
@@ -25,5 +27,5 @@ for step in range(4):
         engine.backward(torch.nn.functional.mse_loss(engine(x[rows]), y[rows]))
         engine.step()
 if rank == 0:
-    torch.save({n: p.detach() for n, p in model.named_parameters()}, sys.argv[1])
+    torch.save({n: p.detach() for n, p in model.named_parameters()}, argv[1])
 print(f"rank {rank} of {world} done", flush=True)

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-out, action = Path(sys.argv[1]), sys.argv[2]
+argv = [a for a in sys.argv if not a.startswith("--local_rank=")]  # the launcher passes it first
+out, action = Path(argv[1]), argv[2]
 rank = os.environ.get("RANK", "0")
 tmp = out / f".{rank}.pid.tmp"
 tmp.write_text(str(os.getpid()))
