@@ -275,6 +275,7 @@ class Config:
     non_finite_grads: str = _opt("skip", "choice", choices=("skip", "raise"))
     zero_optimization: ZeroConfig = _section(ZeroConfig)
     steps_per_print: int = _opt(10, "int", low=1)
+    dataloader_drop_last: bool = _opt(False, "bool")  # the training_data loader drops a last, short micro-batch
     wall_clock_breakdown: bool = _opt(False, "bool")
     tensorboard: MonitorConfig = _section(MonitorConfig)
     csv_monitor: MonitorConfig = _section(MonitorConfig)

@@ -571,10 +571,16 @@ def initialize(
     )
     loader = None
     if training_data is not None:
-        sampler = None
+        sampler, drop_last = None, cfg.dataloader_drop_last  # drop the last, short micro-batch (DeepSpeed's key)
         if comm.world_size > 1:
-            sampler = torch.utils.data.DistributedSampler(training_data, comm.world_size, comm.rank)
+            sampler = torch.utils.data.DistributedSampler(
+                training_data, comm.world_size, comm.rank, drop_last=drop_last
+            )
         loader = torch.utils.data.DataLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+            training_data,
+            batch_size=cfg.train_micro_batch_size_per_gpu,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
         )
     return engine, engine.optimizer, loader, engine.lr_scheduler

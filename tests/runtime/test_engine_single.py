@@ -207,3 +207,12 @@ def test_training_data_gives_a_loader_of_micro_batches():
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
     assert engine.global_steps == 5 and engine.global_samples == 40
+
+
+def test_dataloader_drop_last_drops_the_short_micro_batch():
+    data = torch.utils.data.TensorDataset(torch.randn(20, 33), torch.randn(20, 17))
+    _, _, kept, _ = fastzero.initialize(model=make_model(), config=cfg(), training_data=data)
+    config = cfg(dataloader_drop_last=True)
+    _, _, dropped, _ = fastzero.initialize(model=make_model(), config=config, training_data=data)
+    assert [len(x) for x, _ in kept] == [8, 8, 4]
+    assert [len(x) for x, _ in dropped] == [8, 8]
