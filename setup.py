@@ -29,7 +29,7 @@ def flag(name: str, default: bool) -> bool:
     return default if raw == "" else raw == "1"
 
 
-STRICT = os.environ.get("CI") == "true" or flag("FASTZERO_BUILD_STRICT", False)
+STRICT = flag("FASTZERO_BUILD_STRICT", False) or os.environ.get("CI") == "true"  # the switch is checked even in CI
 BUILD_CUDA = flag("FASTZERO_BUILD_CUDA", False)
 
 
