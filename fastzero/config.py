@@ -110,6 +110,8 @@ class ZeroConfig:
     # fastzero's: the ranks agree on each module before gathering its params (a branch that differs across ranks is
     # an error naming the module, not an abort or a hang); one tiny host-side all-reduce per module forward
     stage3_check_divergence: bool = _opt(True, "bool")
+    # params that get no gradient in a step count as zero gradients (a branch not taken); false: an error naming them
+    ignore_unused_parameters: bool = _opt(True, "bool")
     UNSUPPORTED = (
         "sub_group_size",
         "round_robin_gradients",
@@ -118,7 +120,6 @@ class ZeroConfig:
         "zero_quantized_weights",
         "zero_quantized_gradients",
         "mics_shard_size",
-        "ignore_unused_parameters",
         "load_from_fp32_weights",
         "cpu_offload",
         "memory_efficient_linear",
@@ -270,6 +271,11 @@ class Config:
     fp16: FP16Config = _section(FP16Config)
     bf16: BF16Config = _section(BF16Config)
     gradient_clipping: float = _opt(0.0, "float", low=0.0)
+    # the gradient reduction (fastzero.comm.buckets): the dtype the sum is taken in (default: the training dtype),
+    # and where the average's division happens: before the sum (prescale), or by a factor before and the rest after
+    communication_data_type: str | None = _opt(None, "choice", choices=("fp32", "fp16", "bf16"), nullable=True)
+    prescale_gradients: bool = _opt(False, "bool")
+    gradient_predivide_factor: float = _opt(1.0, "float", low=0.0, low_open=True)
     # fastzero's: a non-finite gradient norm in fp32/bf16 training skips the step (DeepSpeed's behaviour under
     # fp16) or raises; under fp16 the loss scaler skips and lowers the scale
     non_finite_grads: str = _opt("skip", "choice", choices=("skip", "raise"))
@@ -292,9 +298,6 @@ class Config:
         "data_efficiency",
         "amp",
         "aio",
-        "communication_data_type",
-        "prescale_gradients",
-        "gradient_predivide_factor",
         "sparse_gradients",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
@@ -508,6 +511,11 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError(
             "non_finite_grads = 'raise' with fp16 dynamic loss scaling: overflows are how the scaler finds its scale; "
             "leave it 'skip', or set fp16.loss_scale to a static scale"
+        )
+    if cfg.prescale_gradients and cfg.gradient_predivide_factor != 1.0:
+        raise ConfigError(
+            f"prescale_gradients with gradient_predivide_factor = {cfg.gradient_predivide_factor}: prescaling divides "
+            "by the number of ranks before the sum, so the predivide factor would be ignored; keep one"
         )
     if cfg.optimizer.type:
         check_optimizer(cfg.optimizer.type, zero.stage, offload=zero.offload_optimizer.device != "none")

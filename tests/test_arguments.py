@@ -48,7 +48,7 @@ def config_file(tmp_path):
 def test_initialize_reads_each_alias(config_file, flag, recwarn):
     args = parser().parse_args(["--deepspeed", flag, config_file])
     engine, optimizer, _, _ = fastzero.initialize(args=args, model=make_model())
-    assert engine.config.train_micro_batch_size_per_gpu == 4
+    assert engine._config.train_micro_batch_size_per_gpu == 4
     assert optimizer.param_groups[0]["lr"] == 0.125
     deprecated = [w for w in recwarn if issubclass(w.category, FutureWarning) and "deepscale" in str(w.message)]
     assert len(deprecated) == (flag == "--deepscale_config")

@@ -76,6 +76,8 @@ class GradReducer:
         overlap: bool = True,
         tag: str = "grad",
         pool: BufferPool | None = None,
+        comm_dtype: torch.dtype | None = None,
+        pre_scale: float = 1.0,
     ) -> None:
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode {mode!r}: 'all_reduce' or 'reduce_scatter'")
@@ -87,9 +89,15 @@ class GradReducer:
         self.shard, self.flat, self.overlap, self.tag = shard, flat, overlap, tag
         self.dtype = (flat if flat is not None else shard).dtype
         self.device = (flat if flat is not None else shard).device
-        self.pool = pool or BufferPool(self.dtype, self.device)
+        self.comm_dtype, self.pre_scale = comm_dtype or self.dtype, float(pre_scale)
+        self.pool = pool or BufferPool(self.comm_dtype, self.device)
+        if self.pool.dtype != self.comm_dtype:
+            raise ValueError(f"the buffer pool holds {self.pool.dtype}; the reduction is in {self.comm_dtype}")
         self.assigned: dict[int, Tensor] = {}
         self.in_flight: dict[int, Handle] = {}  # launch order
+        # a bucket whose result lands apart from where it belongs (another dtype, or accumulated): what it
+        # reduces (kept alive while in flight), where the result lands, where that goes and whether it is added
+        self.staged: dict[int, tuple[Tensor, Tensor, Tensor, bool]] = {}
         self.active = False
 
     # -- one reduction --------------------------------------------------------------
@@ -147,19 +155,42 @@ class GradReducer:
         buckets = self.layout.buckets
         while self.next_launch < len(buckets) and self.pending[self.next_launch] == 0:
             b = buckets[self.next_launch]
-            chunk = slice(b.shard_start, b.shard_start + b.chunk)
             if self.mode == "all_reduce":
-                handle = self.comm.all_reduce(self.flat[b.start : b.start + b.size], self.tag)
+                handle = self._all_reduce(b.index, self.flat[b.start : b.start + b.size])
             else:
-                src = (
-                    self.flat[b.start : b.start + b.size] if self.flat is not None else self._buffer(b.index)[: b.size]
-                )
-                out = self._scratch(b.index)[: b.chunk] if self.accumulate else self.shard[chunk]
-                handle = self.comm.reduce_scatter(out, src, self.tag)
-                if self.flat is None:
-                    self.pool.in_flight.append((self, b.index))
+                handle = self._reduce_scatter(b)
             self.in_flight[b.index] = handle
             self.next_launch += 1
+
+    def _all_reduce(self, index: int, part: Tensor) -> Handle:
+        """Stage 0: in place, or through a copy in the communication dtype."""
+        if self.comm_dtype == self.dtype:
+            if self.pre_scale != 1.0:
+                part.mul_(self.pre_scale)
+            return self.comm.all_reduce(part, self.tag)
+        wire = part.to(self.comm_dtype).mul_(self.pre_scale)
+        self.staged[index] = (wire, wire, part, False)
+        return self.comm.all_reduce(wire, self.tag)
+
+    def _reduce_scatter(self, b) -> Handle:
+        chunk = self.shard[b.shard_start : b.shard_start + b.chunk]
+        if self.flat is not None:  # stage 1: the flat buffer keeps the local sum (a second backward adds to it)
+            src = self.flat[b.start : b.start + b.size]
+            if self.comm_dtype != self.dtype or self.pre_scale != 1.0:
+                src = src.to(self.comm_dtype, copy=True).mul_(self.pre_scale)
+        else:
+            src = self._buffer(b.index)[: b.size]
+            if self.pre_scale != 1.0:
+                src.mul_(self.pre_scale)
+        if not self.accumulate and self.comm_dtype == self.dtype:
+            out = chunk
+        else:
+            out = self._scratch(b.index)[: b.chunk] if self.flat is None else src.new_empty(b.chunk)
+            self.staged[b.index] = (src, out, chunk, self.accumulate)
+        handle = self.comm.reduce_scatter(out, src, self.tag)
+        if self.flat is None:
+            self.pool.in_flight.append((self, b.index))
+        return handle
 
     def complete(self, index: int) -> None:
         """Waits for bucket `index`'s collective (if still in flight) and
@@ -168,12 +199,15 @@ class GradReducer:
         if handle is None:
             return
         handle.wait()
+        staged = self.staged.pop(index, None)
+        if staged is not None:
+            _, landed, dest, add = staged
+            if add:
+                dest.add_(landed)  # accumulated in the shard's dtype, as without staging
+            else:
+                dest.copy_(landed)
         if index in self.assigned:
-            buf = self.assigned.pop(index)
-            if self.accumulate:
-                b = self.layout.buckets[index]
-                self.shard[b.shard_start : b.shard_start + b.chunk].add_(self._scratch(index, buf)[: b.chunk])
-            self.pool.free.append(buf)
+            self.pool.free.append(self.assigned.pop(index))
 
     def _buffer(self, index: int) -> Tensor:
         """Bucket `index`'s buffer: a free one, else the oldest in flight once
@@ -186,11 +220,11 @@ class GradReducer:
             self.assigned[index] = buf
         return self.assigned[index]
 
-    def _scratch(self, index: int, buf: Tensor | None = None) -> Tensor:
-        """The chunk-sized scratch of bucket `index`'s buffer, where an
-        accumulating reduce-scatter lands before it is added to the shard."""
-        buf = buf if buf is not None else self.assigned[index]
-        return self.pool.scratch_for(buf, max(b.chunk for b in self.layout.buckets))
+    def _scratch(self, index: int) -> Tensor:
+        """The chunk-sized scratch of bucket `index`'s buffer, where a
+        reduce-scatter lands before it is added (accumulating) or copied
+        (another dtype) to the shard."""
+        return self.pool.scratch_for(self.assigned[index], max(b.chunk for b in self.layout.buckets))
 
     def _zero_param(self, i: int) -> None:
         lo = self.layout.offsets[i]

@@ -39,7 +39,47 @@ class GroupLists:
     resized: bool = False  # some tensor's size differs from its param's: the full checks name it
 
 
-class AdamFamilyOptimizer(torch.optim.Optimizer):
+class LossScaleViews:
+    """The fp16 loss scale where DeepSpeed scripts read it: on the optimizer
+    (``cur_scale``, ``loss_scale``, ``dynamic_loss_scale``, ``cur_iter``,
+    ``scale_window``, as DeepSpeed's fp16 and ZeRO optimizers have them).
+    Views of the scaler the engine attaches as ``loss_scaler``; without one
+    (fp32/bf16, or an optimizer used on its own) the scale is 1 and static.
+    The scaler stays the source of truth: setting ``loss_scale`` sets it."""
+
+    loss_scaler: Any = None  # fastzero.runtime.loss_scaler's, set by the engine under fp16
+
+    @property
+    def cur_scale(self) -> float:
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        if self.loss_scaler is None:
+            raise AttributeError("there is no loss scaler to set (fp16 is not enabled): the scale stays 1")
+        self.loss_scaler.loss_scale = float(value)
+
+    loss_scale = cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler is not None and hasattr(self.loss_scaler, "scale_window")
+
+    def _dynamic(self, name: str) -> Any:
+        if not self.dynamic_loss_scale:
+            raise AttributeError(f"{name}: the loss scale is static here (only a dynamic fp16 loss scaler has one)")
+        return getattr(self.loss_scaler, name)
+
+    @property
+    def cur_iter(self) -> int:
+        return self._dynamic("cur_iter")
+
+    @property
+    def scale_window(self) -> int:
+        return self._dynamic("scale_window")
+
+
+class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     """State: per param ``exp_avg``, ``exp_avg_sq`` (fp32, or the param's
     dtype when ``fp32_optimizer_states`` is False) and, with
     ``master_weights``, ``master_param`` (fp32) for bf16/fp16 params. The step

@@ -69,8 +69,20 @@ def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -
     return out
 
 
-class Engine:
-    """Trains `module` data-parallel with ZeRO; built by :func:`initialize`."""
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Engine(torch.nn.Module):
+    """Trains `module` data-parallel with ZeRO; built by :func:`initialize`.
+
+    An ``nn.Module``, as DeepSpeed's engine is: the wrapped model is its
+    ``module``, so ``parameters()``, ``named_parameters()`` (names start
+    with ``module.``), ``train()``/``eval()`` and ``engine(batch)`` work as
+    on any module, and an attribute the engine lacks is the wrapped module's
+    (``engine.config`` of a Hugging Face model). fastzero's own config is
+    ``engine._config``. ``state_dict()``/``load_state_dict()`` are the
+    wrapped module's (see there for stage 3).
+    """
 
     def __init__(
         self,
@@ -82,7 +94,8 @@ class Engine:
         lr_scheduler=None,
         comm: Comm | None = None,
     ) -> None:
-        self.config = cfg = config
+        super().__init__()
+        self._config = cfg = config
         self.comm = comm or Comm()
         self.stage = cfg.zero_optimization.stage
         partitioned = [n for n, p in module.named_parameters() if is_partitioned(p)]
@@ -103,6 +116,12 @@ class Engine:
             zero.reduce_bucket_size if self.stage == 0 else min(zero.reduce_bucket_size, zero.allgather_bucket_size)
         )
         overlap = zero.overlap_comm or self.stage == 0  # DDP-style stage 0 always overlaps
+        world = self.comm.world_size
+        # the gradient average: a factor before the sum (prescale_gradients: 1/ranks; else 1/predivide), the rest
+        # after, folded into the optimizer's grad_scale (self._post_divide)
+        pre = 1.0 if world == 1 else 1.0 / world if cfg.prescale_gradients else 1.0 / cfg.gradient_predivide_factor
+        self._post_divide = world * pre
+        reduction = dict(comm_dtype=_COMM_DTYPES.get(cfg.communication_data_type), pre_scale=pre)
         self.groups: list[ZeroGroup]
         if self.stage == 3:
             threshold = zero.stage3_param_persistence_threshold
@@ -115,6 +134,7 @@ class Engine:
                     persistence_threshold=threshold,
                     offload=offload.device == "cpu",
                     pin_memory=offload.pin_memory,
+                    **reduction,
                 )
                 for g in groups
             ]
@@ -135,6 +155,7 @@ class Engine:
                     comm=self.comm,
                     bucket_size=bucket,
                     overlap=overlap,
+                    **reduction,
                 )
                 for g in groups
             ]
@@ -151,8 +172,11 @@ class Engine:
             self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = loss_scaler_from_config(cfg.fp16) if cfg.fp16.enabled else None
+        self.optimizer.loss_scaler = self.loss_scaler  # DeepSpeed scripts read optimizer.cur_scale & co.
+        # ignore_unused_parameters: false: the params whose gradient arrived since the last step, to name the others
+        self._got_grad: set[int] | None = None if zero.ignore_unused_parameters else set()
         self._hooks = [
-            p.register_post_accumulate_grad_hook(lambda p, group=group, i=i: group.grad_ready(i, p))
+            p.register_post_accumulate_grad_hook(lambda p, group=group, i=i: self._grad_ready(group, i, p))
             for group in self.groups
             for i, p in enumerate(group.params)
         ]
@@ -166,6 +190,21 @@ class Engine:
         self.monitor = Monitor(cfg, rank=self.comm.rank)
 
     # -- set-up -----------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """What the engine lacks is the wrapped module's (DeepSpeed's engine
+        does the same), so code written for the bare model keeps working."""
+        try:
+            return super().__getattr__(name)  # the engine's own params, buffers and submodules (self.module)
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and name != "module":
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"neither the engine nor its wrapped module has an attribute {name!r}")
+
     def _order_check(self) -> Comm:
         """Where stage 3's per-module agreement runs: the data-parallel group
         when it is host-side (Gloo), else a Gloo group of the same ranks, so
@@ -186,26 +225,26 @@ class Engine:
                 h.wait()
 
     def _build_scheduler(self, client):
-        if client is not None and self.config.scheduler.type:
+        if client is not None and self._config.scheduler.type:
             raise ConfigError("an lr_scheduler was passed to initialize() and the config has a scheduler: keep one")
         if callable(client) and not hasattr(client, "step"):
             return client(self.optimizer)
         if client is not None:
             client.optimizer = self.optimizer  # it was built on the client's optimizer, which the engine replaced
             return client
-        if self.config.scheduler.type:
-            return SCHEDULES[self.config.scheduler.type](self.optimizer, **self.config.scheduler.params)
+        if self._config.scheduler.type:
+            return SCHEDULES[self._config.scheduler.type](self.optimizer, **self._config.scheduler.params)
         return None
 
     # -- the training loop ----------------------------------------------------------------
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self._config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
+        return self._config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self._config.gradient_accumulation_steps
 
     @property
     def global_rank(self) -> int:
@@ -218,16 +257,6 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         """True for the last micro-batch before an optimizer step."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        return self.train(False)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; floating-point input tensors are cast to the
@@ -297,11 +326,13 @@ class Engine:
         start = time.perf_counter()
         if any(g.unreduced() for g in self.groups):
             raise RuntimeError("gradients were not reduced: call engine.backward(loss), not loss.backward()")
+        if self._got_grad is not None:
+            self._check_all_used()
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         compressing = self._compressing()
         # local grads (1-bit Adam past freeze_step) are averaged over ranks by the compressed exchange
-        divisor = scale * (1 if compressing else self.comm.world_size) * self.gradient_accumulation_steps()
-        clip = self.config.gradient_clipping
+        divisor = scale * (1 if compressing else self._post_divide) * self.gradient_accumulation_steps()
+        clip = self._config.gradient_clipping
         # every step: it is also the non-finite check, agreed by every rank (one tiny all-reduce)
         self.grad_norm = (self._local_grad_norm() if compressing else self._grad_norm()) / divisor
         overflow = not math.isfinite(self.grad_norm)
@@ -327,6 +358,31 @@ class Engine:
         self.timers["step"] += time.perf_counter() - start
         self.monitor.step(self)
 
+    def _grad_ready(self, group: ZeroGroup, i: int, p: Tensor) -> None:
+        if self._got_grad is not None:
+            self._got_grad.add(id(p))
+        group.grad_ready(i, p)
+
+    def _check_all_used(self) -> None:
+        """``ignore_unused_parameters: false``: every rank raises if a param
+        got no gradient since the last step on any rank (one small
+        all-gather per step, only with this setting)."""
+        unused = [n for g in self.groups for n, p in zip(g.names, g.params) if id(p) not in self._got_grad]
+        self._got_grad.clear()
+        everyone = self.comm.all_gather_objects(unused)
+        where = [
+            f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} (rank {r})"
+            for r, names in enumerate(everyone)
+            if names
+        ]
+        if where:
+            self._zero_grads()
+            raise RuntimeError(
+                f"step {self.global_steps + 1}: params got no gradient: {'; '.join(where)}. Use them in the "
+                "forward, freeze them (requires_grad=False), or set zero_optimization.ignore_unused_parameters: "
+                "true (they then count as zero gradients)"
+            )
+
     def _non_finite(self, scale: float) -> None:
         """A skipped step: counted, said (with the first param whose gradient
         is not finite, found only now), or raised as configured."""
@@ -340,7 +396,7 @@ class Engine:
         where = next((f"{n} (on rank {r})" for r, n in enumerate(names) if n is not None), None)
         what = f"step {step}: the gradient norm is {self.grad_norm}"
         what += f"; first non-finite gradient: {where}" if where else ""
-        if self.config.non_finite_grads == "raise":
+        if self._config.non_finite_grads == "raise":
             self._zero_grads()
             raise NonFiniteGradients(f"{what}. Nothing was updated (non_finite_grads: raise)")
         if self.comm.rank == 0:
@@ -373,7 +429,7 @@ class Engine:
         (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq / self.comm.world_size) if sumsq >= 0 else float("nan")
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are zeroed by the engine after each step; kept for
         DeepSpeed scripts that call it."""
 
@@ -456,7 +512,7 @@ class Engine:
         rank calls it). At stage 3 only with
         ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed; returns
         whether it was saved."""
-        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if self.stage == 3 and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             warnings.warn(
                 "save_16bit_model at stage 3 needs zero_optimization."
                 "stage3_gather_16bit_weights_on_model_save: true; nothing saved",

@@ -29,8 +29,19 @@ from fastzero.runtime.groups import CompressingGroup, Piece
 
 class FlatGroup(CompressingGroup):
     def __init__(
-        self, params: list[Tensor], names: list[str], *, stage: int, comm: Comm, bucket_size: int, overlap: bool
+        self,
+        params: list[Tensor],
+        names: list[str],
+        *,
+        stage: int,
+        comm: Comm,
+        bucket_size: int,
+        overlap: bool,
+        comm_dtype: torch.dtype | None = None,
+        pre_scale: float = 1.0,
     ) -> None:
+        """`comm_dtype` and `pre_scale`: the gradient reduction's (see
+        fastzero.comm.buckets)."""
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.shapes = [p.shape for p in params]
         world, self.rank = (comm.world_size, comm.rank) if stage >= 1 else (1, 0)
@@ -48,7 +59,16 @@ class FlatGroup(CompressingGroup):
             None if stage == 0 else torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
         )
         mode = "all_reduce" if stage == 0 else "reduce_scatter"
-        self.reducer = GradReducer(comm, self.layout, mode, shard=self.grad_shard, flat=self.flat_grad, overlap=overlap)
+        self.reducer = GradReducer(
+            comm,
+            self.layout,
+            mode,
+            shard=self.grad_shard,
+            flat=self.flat_grad,
+            overlap=overlap,
+            comm_dtype=comm_dtype,
+            pre_scale=pre_scale,
+        )
         self._compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major
         self._reduced = False  # the gradients hold a reduction since they were zeroed
         self._carry: Tensor | None = None  # stage 0, a second backward: the sum reduced by the first

@@ -63,13 +63,16 @@ class Unit:
         grad_shard: Tensor,
         pool: BufferPool,
         persistent: bool,
+        pre_scale: float = 1.0,
     ) -> None:
         self.param, self.name, self.shape, self.comm = param, name, shape, comm
         self.device = grad_shard.device  # where the whole param lives (the shard may be offloaded to the CPU)
         self.layout = FlatLayout([shape.numel()], comm.world_size, WHOLE)
         self.numel = self.layout.total  # elements while gathered (padded)
         self.shard, self.grad_shard, self.persistent = shard, grad_shard, persistent
-        self.reducer = GradReducer(comm, self.layout, "reduce_scatter", shard=grad_shard, pool=pool)
+        self.reducer = GradReducer(
+            comm, self.layout, "reduce_scatter", shard=grad_shard, pool=pool, comm_dtype=pool.dtype, pre_scale=pre_scale
+        )
         self.full: Tensor | None = None
         self.handle = None
         self.refs = 0  # forwards running that use it
@@ -115,7 +118,11 @@ class Stage3Group(ZeroGroup):
         persistence_threshold: int,
         offload: bool = False,
         pin_memory: bool = False,
+        comm_dtype: torch.dtype | None = None,
+        pre_scale: float = 1.0,
     ) -> None:
+        """`comm_dtype` and `pre_scale`: the gradient reduction's (see
+        fastzero.comm.buckets)."""
         self.params, self.names, self.comm, self.stage = params, names, comm, 3
         self.shapes = [logical_shape(p) for p in params]
         self.dtype, self.device = params[0].dtype, params[0].device
@@ -126,7 +133,7 @@ class Stage3Group(ZeroGroup):
         pin = offload and pin_memory and torch.cuda.is_available()
         self.shard = torch.zeros(sum(sizes), dtype=self.dtype, device="cpu" if offload else self.device, pin_memory=pin)
         self.grad_shard = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
-        self.pool = BufferPool(self.dtype, self.device)
+        self.pool = BufferPool(comm_dtype or self.dtype, self.device)
         self.units: list[Unit] = []
         offset = 0
         for p, name, shape, lay, size in zip(params, names, self.shapes, layouts, sizes):
@@ -139,6 +146,7 @@ class Stage3Group(ZeroGroup):
                 self.grad_shard[offset : offset + size],
                 self.pool,
                 persistent=shape.numel() < persistence_threshold,
+                pre_scale=pre_scale,
             )
             offset += size
             self._partition(unit, lay)

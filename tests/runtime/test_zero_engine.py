@@ -90,6 +90,43 @@ def test_bf16_and_fp16_track_fp32(tmp_path):
         assert ranks[0]["skipped"] == 0, run
 
 
+def test_reduction_options_keep_the_average(tmp_path):
+    """prescale_gradients and gradient_predivide_factor move where the
+    average divides (before the sum, or partly), communication_data_type the
+    dtype of the sum: fp32 runs still equal torch's AdamW; a bf16 run summing
+    in fp32 tracks it as the default bf16 run does."""
+    runs = [
+        dict(stage=0, top={"prescale_gradients": True}),
+        dict(stage=1, top={"gradient_predivide_factor": 2.0}),
+        dict(stage=2, top={"prescale_gradients": True, "communication_data_type": "fp16"}, clip=0),
+        dict(stage=3, top={"gradient_predivide_factor": 4.0}),
+        dict(stage=2, dtype="bf16", top={"communication_data_type": "fp32"}),
+        dict(stage=3, dtype="bf16", top={"communication_data_type": "fp32", "prescale_gradients": True}),
+    ]
+    results = train(tmp_path, 2, runs)
+    want, init = reference(2), {n: p.detach() for n, p in make_model().named_parameters()}
+    for run, ranks in zip(runs, results):
+        if run.get("dtype") == "bf16":
+            assert_tracks(ranks[0]["params"], want, init, 0.1)
+        elif run["top"].get("communication_data_type") == "fp16":  # fp32 grads summed in fp16
+            assert_tracks(ranks[0]["params"], reference(2, clip=0), init, 0.01)
+        else:
+            assert_params(ranks[0]["params"], want)
+        for res in ranks[1:]:
+            assert_params(res["params"], ranks[0]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_unused_params_are_named_on_every_rank_when_not_ignored(tmp_path, stage):
+    run = dict(stage=stage, model="branchy", steps=2, zero={"ignore_unused_parameters": False})
+    with pytest.raises(AssertionError) as info:
+        train(tmp_path, 2, [run])
+    for rank in range(2):
+        assert f"rank {rank} exited" in str(info.value)
+    said = "step 1: params got no gradient: b1.weight, b1.bias (rank 0); b1.weight, b1.bias (rank 1)"
+    assert str(info.value).count(said) == 2
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_an_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(tmp_path, stage):
     (ranks,) = train(tmp_path, 2, [dict(stage=stage, dtype="fp16", inf_at=[3, 1], steps=6)])

@@ -58,6 +58,7 @@ def config(run: dict) -> dict:
         "steps_per_print": 1000,
     }
     cfg["zero_optimization"].update(run.get("zero", {}))
+    cfg.update(run.get("top", {}))  # top-level keys (communication_data_type, prescale_gradients, ...)
     if run.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if run.get("offload_param"):
