@@ -181,6 +181,7 @@ class Engine(torch.nn.Module):
             for i, p in enumerate(group.params)
         ]
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
+        self._gather_depth = 0  # nested gathered() blocks
         self._grads_fresh = True  # no backward since the gradients were last zeroed
         self._step_applied = False  # the last optimizer step updated the params
         self.grad_norm: float | None = None
@@ -497,15 +498,58 @@ class Engine(torch.nn.Module):
     def gathered(self):
         """Every param whole inside the block (stage 3 gathers the partitioned
         ones and releases them after; other stages hold them whole anyway).
-        DeepSpeed's ``zero.GatheredParameters`` for the whole model."""
-        if self.fetcher is None:
-            yield self.module
+        DeepSpeed's ``zero.GatheredParameters`` for the whole model. Nests:
+        the outermost block gathers and releases."""
+        if self.fetcher is None or self._gather_depth:
+            self._gather_depth += 1
+            try:
+                yield self.module
+            finally:
+                self._gather_depth -= 1
             return
         self.fetcher.gather_all()
+        self._gather_depth = 1
         try:
             yield self.module
         finally:
+            self._gather_depth = 0
             self.fetcher.end_backward()
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The wrapped module's state dict, under its own names (no
+        ``module.`` prefix), so it loads into the bare model. At stage 3 it is
+        a collective (every rank calls it): the params are gathered and the
+        dict holds copies of the whole tensors."""
+        if self.fetcher is None:
+            return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        with self.gathered() as module:
+            state = module.state_dict(prefix=prefix)
+            copies = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+        if destination is not None:
+            destination.update(copies)
+            return destination
+        return copies
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Into the wrapped module (keys as :meth:`state_dict` gives them; a
+        ``module.`` prefix on every key is taken off), then this rank's
+        shards and fp32 masters take the loaded values; the optimizer state
+        is kept. At stage 3 a collective: every rank passes the same dict."""
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) would swap out the params the engine's flat buffers hold: leave it False"
+            )
+        own = self.module.state_dict()
+        if (
+            state_dict
+            and all(k.startswith("module.") for k in state_dict)
+            and not any(k.startswith("module.") for k in own)
+        ):
+            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
+        with self.gathered() as module:
+            result = module.load_state_dict(state_dict, strict=strict)
+            self.refresh_from_module()
+        return result
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """The whole model in its training dtype, written by rank 0 (every
