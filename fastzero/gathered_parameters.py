@@ -151,13 +151,16 @@ class GatheredParameters:
             "the ranks entered with different params or modifier_rank; every rank must pass the same params "
             "(same order, same sizes) and the same modifier_rank",
         )
-        self.held: dict[int, tuple[object, list[Tensor], list]] = {}  # id(fetcher) -> (it, params, their units)
+        # id(fetcher) -> (it, params, their units, the units this block gathered)
+        self.held: dict[int, tuple[object, list[Tensor], list, list]] = {}
         for p, kind in zip(self.params, self.kinds):
             if kind == UNIT:
                 fetcher = owner_of(p).fetcher
-                self.held.setdefault(id(fetcher), (fetcher, [], []))[1].append(p)
-        for fetcher, params, units in self.held.values():
-            units += fetcher.hold(params)
+                self.held.setdefault(id(fetcher), (fetcher, [], [], []))[1].append(p)
+        for fetcher, params, units, fresh in self.held.values():
+            got, gathered = fetcher.hold(params)
+            units += got
+            fresh += gathered
         self._gather_init([p for p, k in zip(self.params, self.kinds) if k == INIT and id(p) not in _DEPTH])
         for p in self.params:
             _DEPTH[id(p)] = _DEPTH.get(id(p), 0) + 1
@@ -208,10 +211,10 @@ class GatheredParameters:
             elif self.modifier_rank is None and not failed:
                 self._warn_if_edited()
         finally:
-            for fetcher, params, units in self.held.values():
-                # the edits dropped: what stays gathered (persistent, or a running forward's) is gathered again
-                released = [u for p, u in zip(params, units) if id(p) not in _DEPTH]
-                fetcher.unhold(units, [] if commit or not peers else released)
+            for fetcher, params, units, fresh in self.held.values():
+                # the edits dropped: what stays whole (persistent, a forward's) is gathered again from the shards
+                outermost = [u for p, u in zip(params, units) if id(p) not in _DEPTH]
+                fetcher.unhold(units, fresh, [] if commit or not peers else outermost)
             for p, kind in zip(self.params, self.kinds):
                 if kind == INIT and id(p) not in _DEPTH:
                     p.data = released_like(p)

@@ -444,26 +444,29 @@ class ParamFetcher:
         self.cursor = 0
         self.active.clear()
 
-    def hold(self, params: list[Tensor]) -> list[Unit]:
+    def hold(self, params: list[Tensor]) -> tuple[list[Unit], list[Unit]]:
         """``fastzero.zero.GatheredParameters``: the units of `params`
         gathered (counted as live) and held, so that no module's forward
-        end releases them, until :meth:`unhold`."""
+        end releases them, until :meth:`unhold`. Returns them and the ones
+        this call gathered (the others were whole already: persistent, or
+        gathered for a forward, ``engine.gathered()`` or a prefetch)."""
         units = [self.unit_of[id(p)] for p in params]
-        for u in units:
-            if not u.gathered:
-                u.start_gather()
-                self._count(u.numel)
+        fresh = [u for u in units if not u.gathered]
+        for u in fresh:
+            u.start_gather()
+            self._count(u.numel)
         for u in units:
             u.wait()
             u.refs += 1
-        return units
+        return units, fresh
 
-    def unhold(self, units: list[Unit], discard: list[Unit] = ()) -> None:
-        """Ends a :meth:`hold`: units no forward uses are released; the
-        `discard` ones that stay gathered (persistent, or a running
-        forward's) are gathered again from the shards, dropping edits."""
+    def unhold(self, units: list[Unit], fresh: list[Unit], discard: list[Unit] = ()) -> None:
+        """Ends a :meth:`hold`: the units it gathered are released unless a
+        forward still uses them; the `discard` ones that stay whole are
+        gathered again from the shards, which drops edits made to them."""
         for u in units:
             u.refs -= 1
+        for u in fresh:
             if u.refs == 0 and not u.persistent:
                 self._release(u)
         kept = [u for u in discard if u.gathered]
