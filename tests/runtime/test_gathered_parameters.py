@@ -9,17 +9,19 @@ import torch
 
 import fastzero
 import fastzero.zero as zero
+from fastzero.checkpoint import consolidate
 from tests.dist import run_ranks
 from tests.paths import WORKERS
 from tests.runtime.test_engine_single import cfg
 from tests.workers.gathered_params import (
     EDITED,
+    ZERO3,
     edit_values,
     engine_config,
     param_groups,
     train_steps,
 )
-from tests.workers.train_zero import make_model
+from tests.workers.train_zero import config, make_model
 
 WORKER = WORKERS / "gathered_params.py"
 BEFORE, AFTER = 2, 3  # steps before and after the edit
@@ -211,6 +213,25 @@ def test_a_param_whose_data_was_replaced_is_taken_whole():
         train_steps(engine, range(1, 2), rank=0, world=1)
         with engine.gathered():
             assert (w.float() - values.float()).abs().max() < 0.05, stage  # one step of lr 1e-2 from the edit
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_offloaded_masters_are_refreshed_too(tmp_path, stage):
+    """ZeRO-Offload: the CPU fp32 masters take the edit, and the device shard comes back from them."""
+    run = dict(stage=stage, dtype="bf16", gas=1, clip=0, offload=True, zero=ZERO3 if stage == 3 else {})
+    engine, *_ = fastzero.initialize(model=make_model(), config=config(run))
+    train_steps(engine, range(1), rank=0, world=1)
+    w, values = engine.module[0].weight, bf16(edit_values()["0.weight"])
+    with zero.GatheredParameters(w, modifier_rank=0):
+        with torch.no_grad():
+            w.copy_(values)
+    engine.save_checkpoint(tmp_path, tag="edited")
+    torch.testing.assert_close(consolidate(tmp_path, "edited")["0.weight"], values, rtol=0, atol=0)
+    with engine.gathered():
+        torch.testing.assert_close(w.float(), values, rtol=0, atol=0)
+    train_steps(engine, range(1, 2), rank=0, world=1)
+    with engine.gathered():
+        assert (w.float() - values).abs().max() < 0.05  # one step of lr 1e-2 from the edit
 
 
 def test_refresh_from_module_refuses_params_it_does_not_train_and_params_not_gathered():
