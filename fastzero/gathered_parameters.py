@@ -161,7 +161,12 @@ class GatheredParameters:
             got, gathered = fetcher.hold(params)
             units += got
             fresh += gathered
-        self._gather_init([p for p, k in zip(self.params, self.kinds) if k == INIT and id(p) not in _DEPTH])
+        try:
+            self._gather_init([p for p, k in zip(self.params, self.kinds) if k == INIT and id(p) not in _DEPTH])
+        except BaseException:
+            for fetcher, _, units, fresh in self.held.values():
+                fetcher.unhold(units, fresh)
+            raise
         for p in self.params:
             _DEPTH[id(p)] = _DEPTH.get(id(p), 0) + 1
         self.before = [(p.data_ptr(), p._version) for p in self.params]
