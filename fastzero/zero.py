@@ -9,6 +9,11 @@ every rank starts from the same weights) and each rank keeps only its chunk;
 ``register_external_parameter(module, param)`` tells stage 3 that
 ``module``'s forward uses ``param`` although another module owns it (a tied
 weight used directly), so it is gathered for ``module`` too.
+
+``GatheredParameters(params, modifier_rank=0)`` makes partitioned params
+whole for a block and puts what ``modifier_rank`` wrote in it back into
+every rank's chunk (and an engine's fp32 masters): see
+:mod:`fastzero.gathered_parameters`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from fastzero.estimate import (  # noqa: F401  (DeepSpeed: deepspeed.runtime.zer
     estimate_zero3_model_states_mem_needs_all_cold,
     estimate_zero3_model_states_mem_needs_all_live,
 )
+from fastzero.gathered_parameters import GatheredParameters  # noqa: F401  (DeepSpeed: deepspeed.zero)
 from fastzero.runtime.stage3 import (
     WHOLE,
     add_external_param,

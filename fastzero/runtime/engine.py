@@ -30,7 +30,7 @@ from fastzero.comm import Comm, dist_env, init_distributed
 from fastzero.config import Config, ConfigError, load_config
 from fastzero.ops.norms import sum_of_squares
 from fastzero.runtime.agreement import check_start
-from fastzero.runtime.groups import ZeroGroup
+from fastzero.runtime.groups import ZeroGroup, mark_owner
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
@@ -189,6 +189,7 @@ class Engine(torch.nn.Module):
         # seconds spent in each phase since take_timers() (and when the last backward ended, for tests)
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0, "backward_end": 0.0}
         self.monitor = Monitor(cfg, rank=self.comm.rank)
+        mark_owner(self, (p for g in self.groups for p in g.params))  # for fastzero.zero.GatheredParameters
 
     # -- set-up -----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -628,6 +629,36 @@ class Engine(torch.nn.Module):
             load_module_strict,
             load_module_only,
         )
+
+    def refresh_from_module(self, params: Iterable[Tensor] | None = None) -> None:
+        """After the module's trained params were changed outside training
+        (edited in place, a state dict loaded into them): this rank's shard
+        of them (all, or `params`) and its fp32 master take their current
+        values; the optimizer state (exp_avg, exp_avg_sq, step) is kept.
+        Every rank calls it with the params whole (at stage 3 inside
+        ``engine.gathered()`` or ``fastzero.zero.GatheredParameters``) and
+        holding the same values; it runs no collectives."""
+        trained = {id(p) for g in self.groups for p in g.params}
+        wanted = None
+        if params is not None:
+            params = [params] if isinstance(params, Tensor) else list(params)
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            for i, p in enumerate(params):
+                if id(p) not in trained:
+                    what = f"{names[id(p)]!r} is frozen" if id(p) in names else "it is not a parameter of the model"
+                    raise ValueError(
+                        f"refresh_from_module: params[{i}] is not a param this engine trains ({what}); pass the "
+                        "trained params, or None for all"
+                    )
+            wanted = {id(p) for p in params}
+        with torch.no_grad():
+            for group, opt_group in zip(self.groups, self.optimizer.param_groups):
+                mine = [p for p in group.params if wanted is None or id(p) in wanted]
+                if mine:
+                    group.reload_from_params(self.optimizer, opt_group["params"], mine)
+            sync = getattr(self.optimizer, "sync_device_params", None)
+            if sync is not None:  # offloaded masters were refreshed: the device shards from them
+                sync()
 
 
 def initialize(

@@ -8,8 +8,9 @@ pipeline-parallel groups plug in the same way. The engine calls only what
 :class:`ZeroGroup` declares: around backward (``begin_backward``,
 ``grad_ready`` per param, ``end_backward``), at the step (``grads``,
 ``optimizer_params``, ``gather``, ``zero_grads``, ``unreduced``), for
-reports (``memory``) and, after a non-finite gradient norm,
-``first_non_finite``.
+reports (``memory``), after a non-finite gradient norm,
+``first_non_finite``, and after the module's params were changed outside
+training, ``reload_from_params``.
 
 Checkpoints see a group through its *pieces*: each :class:`Piece` is a range
 ``[lo, hi)`` of one logical param, flattened, whose fp32 master and optimizer
@@ -23,7 +24,8 @@ error-feedback buffers) goes through ``rank_state``/``load_rank_state``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -181,6 +183,39 @@ class ZeroGroup(Protocol):
                     window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
                     piece.opt_param.reshape(-1)[window].copy_(master[window])
 
+    def reload_from_params(
+        self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor], params: list[Tensor]
+    ) -> None:
+        """The rank's pieces of `params` (some of :attr:`params`, whole, with
+        their current values, the same on every rank) into what the optimizer
+        updates (this rank's low-precision chunk, or the param itself at
+        stage 0) and into its fp32 master, where one exists; exp_avg,
+        exp_avg_sq and the step count are kept. Local: no collectives."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        whole = {}
+        for p in params:
+            i = index[id(p)]
+            if p.shape != self.shapes[i]:
+                raise ValueError(
+                    f"{self.names[i]} is not whole on this rank (shape {tuple(p.shape)}, the param's is "
+                    f"{tuple(self.shapes[i])}): gather it first (inside engine.gathered() or "
+                    "fastzero.zero.GatheredParameters)"
+                )
+            whole[self.names[i]] = p.detach().reshape(-1)
+        with torch.no_grad():
+            for piece in self.owned(opt_params):
+                src = whole.get(piece.name)
+                if src is None:
+                    continue
+                src = src[piece.lo : piece.hi]
+                window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
+                dst = piece.opt_param.detach().reshape(-1)[window]
+                if dst.data_ptr() != src.data_ptr():  # stages 0-2: the param is (a view of) it already
+                    dst.copy_(src)
+                master = optimizer.state.get(piece.opt_param, {}).get("master_param")
+                if master is not None:  # none before the first step: the step makes it from the param
+                    master.reshape(-1)[window].copy_(src)
+
 
 def _flat_state(optimizer: torch.optim.Optimizer, opt_param: Tensor) -> dict[str, Tensor]:
     """:data:`STATE_KEYS` of one optimizer tensor, flattened (the master is
@@ -207,3 +242,24 @@ class CompressingGroup(ZeroGroup, Protocol):
         """The gradient shard from every rank's local gradients, 1-bit
         compressed with error feedback (see FlatGroup)."""
         ...
+
+
+# -- which engine trains a param --------------------------------------------------------------
+# fastzero.zero.GatheredParameters finds the engine whose masters to refresh from the params alone. A registry
+# of weak references, not an attribute on the param: a marked param still pickles and deep-copies.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def mark_owner(owner: Any, params: Iterable[Tensor]) -> None:
+    """`owner` (an engine, held weakly) trains `params`."""
+    for p in params:
+        key = id(p)
+        _OWNERS[key] = (weakref.ref(p, lambda _ref, key=key: _OWNERS.pop(key, None)), weakref.ref(owner))
+
+
+def owner_of(p: Tensor) -> Any:
+    """The live engine that trains `p`, or None."""
+    entry = _OWNERS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()

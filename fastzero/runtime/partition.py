@@ -201,6 +201,23 @@ class FlatGroup(CompressingGroup):
             out.append(Piece(self.names[s.param], s.lo, s.hi, opt_params[b.index], s.shard_offset - b.shard_start))
         return out
 
+    def reload_from_params(
+        self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor], params: list[Tensor]
+    ) -> None:
+        """As :meth:`ZeroGroup.reload_from_params`; a param whose ``.data``
+        was replaced (``p.data = t``) is copied back into its view of the
+        flat buffer and made that view again (the step and the all-gather
+        write there)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        with torch.no_grad():
+            for p in params:
+                i = index[id(p)]
+                view = self._view(self.flat, i)
+                if p.data_ptr() != view.data_ptr() and p.shape == view.shape:
+                    view.copy_(p.detach())
+                    p.data = view
+        super().reload_from_params(optimizer, opt_params, params)
+
     def rank_state(self) -> Any:
         """1-bit Adam at stage 1: this rank's error-feedback buffer (on the CPU), else None."""
         return None if self._compress_error is None else self._compress_error.cpu()

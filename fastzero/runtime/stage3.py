@@ -214,6 +214,22 @@ class Stage3Group(ZeroGroup):
             for s in u.layout.segments(self.comm.rank)
         ]
 
+    def reload_from_params(
+        self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor], params: list[Tensor]
+    ) -> None:
+        """As :meth:`ZeroGroup.reload_from_params` (the params gathered);
+        a unit that stays gathered (persistent, or held) gets the values in
+        its whole buffer too, which its param views again."""
+        super().reload_from_params(optimizer, opt_params, params)
+        by_param = {id(u.param): u for u in self.units}
+        with torch.no_grad():
+            for p in params:
+                u = by_param[id(p)]
+                if u.full is not None and p.data_ptr() != u.full.data_ptr():  # p.data was replaced
+                    u.wait()
+                    u.full[: u.shape.numel()].copy_(p.detach().reshape(-1))
+                    p.data = u.full[: u.shape.numel()].view(u.shape)
+
     def rank_state(self) -> Any:
         return None  # every state is a piece of a logical param
 
@@ -436,6 +452,38 @@ class ParamFetcher:
         self.cursor = 0
         self.active.clear()
 
+    def hold(self, params: list[Tensor]) -> tuple[list[Unit], list[Unit]]:
+        """``fastzero.zero.GatheredParameters``: the units of `params`
+        gathered (counted as live) and held, so that no module's forward
+        end releases them, until :meth:`unhold`. Returns them and the ones
+        this call gathered (the others were whole already: persistent, or
+        gathered for a forward, ``engine.gathered()`` or a prefetch)."""
+        units = [self.unit_of[id(p)] for p in params]
+        fresh = [u for u in units if not u.gathered]
+        for u in fresh:
+            u.start_gather()
+            self._count(u.numel)
+        for u in units:
+            u.wait()
+            u.refs += 1
+        return units, fresh
+
+    def unhold(self, units: list[Unit], fresh: list[Unit], discard: list[Unit] = ()) -> None:
+        """Ends a :meth:`hold`: the units it gathered are released unless a
+        forward still uses them; the `discard` ones that stay whole are
+        gathered again from the shards, which drops edits made to them."""
+        for u in units:
+            u.refs -= 1
+        for u in fresh:
+            if u.refs == 0 and not u.persistent:
+                self._release(u)
+        kept = [u for u in discard if u.gathered]
+        for u in kept:
+            u.wait()
+            u.handle = u.refresh()
+        for u in kept:
+            u.wait()
+
     def gather_all(self) -> None:
         """Every param whole (for saving the 16-bit model); release with end_backward()."""
         self._fetch([u for u in self.unit_of.values() if not u.persistent])
@@ -454,6 +502,11 @@ def mark_partitioned(p: Tensor, shard: Tensor, shape: torch.Size) -> None:
 def is_partitioned(p: Tensor) -> bool:
     """Whether `p` was partitioned by ``fastzero.zero.Init`` and not yet taken over by an engine."""
     return hasattr(p, "_fz_shard")
+
+
+def init_shard(p: Tensor) -> Tensor | None:
+    """The chunk ``fastzero.zero.Init`` left on `p` (None if none), kept on it."""
+    return p.__dict__.get("_fz_shard")
 
 
 def take_init_shard(p: Tensor) -> Tensor | None:
