@@ -238,6 +238,7 @@ class Engine:
         )
         args = tuple(cast(a) for a in args)
         kwargs = {k: cast(v) for k, v in kwargs.items()}
+        self.monitor.forward_begin(self)  # the flops profiler's step: its hooks and counter on
         try:
             out = self.module(*args, **kwargs)
         except RuntimeError as exc:
@@ -246,6 +247,8 @@ class Engine:
             if hint is None:
                 raise
             raise RuntimeError(f"{exc}\n\n{hint}") from exc
+        finally:
+            self.monitor.forward_end(self)
         self.timers["forward"] += time.perf_counter() - start
         return out
 
