@@ -232,3 +232,10 @@ def test_numbers_are_written_as_deepspeed_writes_them():
     assert report.duration_to_string(0.00125) == "1.25 ms"
     assert report.duration_to_string(3e-6) == "3 us"
     assert report.flops_to_string(3.2e9, units="G") == "3.2 GFLOPS"
+
+
+def test_reached_as_deepspeed_scripts_reach_it():
+    import fastzero as deepspeed
+
+    assert deepspeed.profiling.flops_profiler.get_model_profile is get_model_profile
+    assert deepspeed.profiling.flops_profiler.FlopsProfiler is FlopsProfiler
