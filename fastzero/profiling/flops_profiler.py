@@ -212,8 +212,11 @@ class FlopsProfiler:
         depth to `module_depth` (-1: every depth) and, when `detailed`, the
         module tree with each module's profile, to stdout or to
         `output_file` (overwritten; its folder is made)."""
-        if not self.started:
-            return  # DeepSpeed's: nothing was profiled
+        if not self.started:  # DeepSpeed returns silently here
+            raise RuntimeError(
+                "print_model_profile: nothing was profiled; call start_profile() and run a forward first "
+                "(and end_profile() only after printing)"
+            )
         text = self.model_profile_text(profile_step, module_depth, top_modules, detailed)
         if output_file:
             path = Path(output_file)

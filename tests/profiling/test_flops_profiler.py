@@ -133,6 +133,8 @@ def test_no_hooks_or_counting_after_stop_and_end():
     prof.end_profile()
     with pytest.raises(RuntimeError, match="start_profile"):
         prof.get_total_flops()
+    with pytest.raises(RuntimeError, match="nothing was profiled"):
+        prof.print_model_profile()
     prof.start_profile()  # a second profile starts from zero
     model(x)
     model(x)
