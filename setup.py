@@ -131,9 +131,10 @@ setup(
             "hjson",  # hjson config files (tests/test_config.py); optional for users
             "transformers>=4.40",  # GPT-2 in tests: tied heads (tests/faults), drift vs torch (tests/runtime)
             "safetensors>=0.4",  # fastzero.utils.zero_to_fp32's safe_serialization (tests/utils)
+            "wandb",  # the wandb monitor, run offline (tests/runtime/test_monitoring.py); optional for users
         ],
         "safetensors": ["safetensors>=0.4"],
-        "monitor": ["tensorboard>=2.12"],
+        "monitor": ["tensorboard>=2.12", "wandb"],
         "peers": ["deepspeed>=0.14"],
     },
     zip_safe=False,

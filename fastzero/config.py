@@ -262,6 +262,30 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """DeepSpeed's ``wandb`` section: wandb.init(project, group, entity=team)."""
+
+    enabled: bool = _opt(False, "bool")
+    group: str | None = _opt(None, "str", nullable=True)
+    team: str | None = _opt(None, "str", nullable=True)
+    project: str = _opt("deepspeed", "str")
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """DeepSpeed's ``flops_profiler`` section (its defaults): the forward of the
+    step run after `profile_step` completed steps is profiled on rank 0."""
+
+    enabled: bool = _opt(False, "bool")
+    recompute_fwd_factor: float = _opt(0.0, "float", low=0.0)  # bwd ~ (2 + factor) x fwd with recomputation
+    profile_step: int = _opt(1, "int", low=0)
+    module_depth: int = _opt(-1, "int", low=-1)  # -1: every depth
+    top_modules: int = _opt(1, "int", low=1)
+    detailed: bool = _opt(True, "bool")
+    output_file: str | None = _opt(None, "str", nullable=True)  # None: stdout
+
+
+@dataclass(frozen=True)
 class Config:
     train_batch_size: int | None = _opt(None, "int", low=1, nullable=True)
     train_micro_batch_size_per_gpu: int | None = _opt(None, "int", low=1, nullable=True)
@@ -283,12 +307,14 @@ class Config:
     steps_per_print: int = _opt(10, "int", low=1)
     dataloader_drop_last: bool = _opt(False, "bool")  # the training_data loader drops a last, short micro-batch
     wall_clock_breakdown: bool = _opt(False, "bool")
+    # memory in use (device or process, and model states by kind) logged every steps_per_print steps
+    memory_breakdown: bool = _opt(False, "bool")
     tensorboard: MonitorConfig = _section(MonitorConfig)
     csv_monitor: MonitorConfig = _section(MonitorConfig)
+    wandb: WandbConfig = _section(WandbConfig)
+    flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig)
     UNSUPPORTED = (
-        "wandb",
         "comet",
-        "flops_profiler",
         "activation_checkpointing",
         "sparse_attention",
         "pipeline",
@@ -301,7 +327,6 @@ class Config:
         "sparse_gradients",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
-        "memory_breakdown",
         "dump_state",
         "checkpoint",
         "nebula",

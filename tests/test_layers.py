@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the checkpoint's layers with no engine knowledge: the layout on disk, then the manifest
     ("checkpoint files", ("fastzero.runtime.checkpoint_files",)),
     ("checkpoint manifest", ("fastzero.runtime.checkpoint_manifest",)),
-    ("runtime", ("fastzero.runtime",)),
+    ("runtime", ("fastzero.runtime", "fastzero.profiling")),  # the engine's monitor drives the flops profiler
     (
         "entry points",
         (

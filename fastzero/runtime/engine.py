@@ -269,6 +269,7 @@ class Engine(torch.nn.Module):
         )
         args = tuple(cast(a) for a in args)
         kwargs = {k: cast(v) for k, v in kwargs.items()}
+        self.monitor.forward_begin(self)  # the flops profiler's step: its hooks and counter on
         try:
             out = self.module(*args, **kwargs)
         except RuntimeError as exc:
@@ -277,6 +278,8 @@ class Engine(torch.nn.Module):
             if hint is None:
                 raise
             raise RuntimeError(f"{exc}\n\n{hint}") from exc
+        finally:
+            self.monitor.forward_end(self)
         self.timers["forward"] += time.perf_counter() - start
         return out
 
