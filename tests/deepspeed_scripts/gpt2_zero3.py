@@ -40,6 +40,13 @@ def init_embeddings(weight: torch.Tensor) -> None:
         weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(7)) * 0.05)
 
 
+def init_weights(model) -> None:
+    """The model's own init (Hugging Face's), then the token embeddings'."""
+    torch.manual_seed(1)
+    model.apply(model._init_weights)
+    init_embeddings(model.transformer.wte.weight)
+
+
 def global_batch(step: int, rows: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 + step)
     start = torch.randint(0, VOCAB, (rows, 1), generator=gen)
@@ -54,10 +61,11 @@ def main():
     with deepspeed.zero.Init(config_dict_or_path=args.deepspeed_config):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(gpt2_config())
-    embeddings = model.transformer.wte.weight
-    with deepspeed.zero.GatheredParameters(embeddings, modifier_rank=0):
+    # zero.Init partitioned each layer as it was built, before the model's own post-init could reach the weights
+    # (as with DeepSpeed): run it on the gathered params, on rank 0, whose values every rank then keeps
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
         if rank == 0:
-            init_embeddings(embeddings)
+            init_weights(model)
 
     engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
     assert engine.config.n_embd == 32, "the wrapped model's config"
