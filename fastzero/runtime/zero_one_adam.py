@@ -31,7 +31,10 @@ step uses (the average, the compressed average, or the local one):
 
 and in the local phase also u -= lr d; at a sync, with L the sum of lr
 since the last one: p -= u; u = allreduce_1bit(u (sqrt v + eps));
-m = -u / L; p += u / (sqrt v + eps); u = 0.
+m = -u / L; p += u / (sqrt v + eps); u = 0. Here u is kept as p minus the
+params at the last sync (``synced_param``, the same memory as DeepSpeed's
+accumulator), so p -= u restores them bit for bit and the ranks agree
+exactly after every sync (DeepSpeed's ranks keep their own rounding).
 
 Differences from DeepSpeed's, on purpose: its first ``step()`` only
 allocates buffers and discards the gradient, so its step counter runs one
@@ -96,8 +99,8 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
     :attr:`compressing`). Used on its own, do not wrap the model in DDP: the
     optimizer averages them itself over `process_group` (or `comm`).
 
-    State: ``exp_avg``, ``exp_avg_sq`` and ``momentum_accumulator`` (u) per
-    param, fp32; the error-feedback buffers and the sum of lr since the last
+    State: ``exp_avg``, ``exp_avg_sq`` and ``synced_param`` (the params at
+    the last sync, so u = p - synced_param) per param, fp32; the error-feedback buffers and the sum of lr since the last
     sync per group, which ``state_dict()`` saves under ``"onebit"``. An
     engine checkpoint holds rank 0's params and momentum: loading one in the
     local phase makes them the ranks' common sync point (u and L restart from
@@ -105,7 +108,7 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
     """
 
     _op_name = "ZeroOneAdam"
-    _extra_state_keys = ("momentum_accumulator",)
+    _extra_state_keys = ("synced_param",)
 
     def __init__(
         self,
@@ -148,7 +151,7 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
             params, lr, False, betas, eps, True, weight_decay, master_weights=master_weights, backend=backend
         )
         self._init_onebit(process_group, comm, max_grad_norm)
-        self._accumulators: dict[int, Tensor] = {}  # group -> flat padded u; momentum_accumulator are views
+        self._synced: dict[int, Tensor] = {}  # group -> flat padded params at the last sync; synced_param are views
         self._lrs: dict[int, float] = {}  # group -> sum of lr since the last sync
 
     def is_variance_step(self, t: int) -> bool:
@@ -192,8 +195,8 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
             compressed_allreduce(flat, worker, server, self.comm, tag="zero_one_adam", out=flat)
         flat[n:].zero_()  # the padding carries nothing
 
-    def _apply(self, params: list[Tensor], states: list[dict], group: dict, accumulate: bool) -> list[Tensor]:
-        """d = m / (sqrt(v) + eps) + wd p; p -= lr d (and u -= lr d). Returns sqrt(v) + eps."""
+    def _apply(self, params: list[Tensor], states: list[dict], group: dict) -> list[Tensor]:
+        """d = m / (sqrt(v) + eps) + wd p; p -= lr d. Returns sqrt(v) + eps."""
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         masters = [s.get("master_param", p) for s, p in zip(states, params)]
         denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
@@ -202,8 +205,6 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
         if wd:
             torch._foreach_add_(update, masters, alpha=wd)
         torch._foreach_add_(masters, update, alpha=-lr)
-        if accumulate:
-            torch._foreach_add_([s["momentum_accumulator"] for s in states], update, alpha=-lr)
         return denom
 
     def _momentum_step(self, gi: int, group: dict, scale: float) -> None:
@@ -215,14 +216,30 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
         self._exchange(gi, grads, sum(p.numel() for p in params))
         self.momentum_buffer(gi).mul_(beta1).add_(grads, alpha=1 - beta1)
         self.mask_unseen(states, "exp_avg")
-        self._apply(params, states, group, accumulate=False)
+        self._apply(params, states, group)
         self._finish(params, states, group)
 
+    def synced_params(self, gi: int) -> Tensor:
+        """Group `gi`'s params at the last sync, flat (``synced_param`` per
+        param are views), taken from the params when there are none yet."""
+        params = trained(self.param_groups[gi])
+        fresh = any("synced_param" not in self.state[p] for p in params)
+        buf = self.flat_state(gi, "synced_param", self._synced)
+        if fresh:
+            for p in params:
+                st = self.state[p]
+                st["synced_param"].copy_(st.get("master_param", p))
+        return buf
+
     def _local_step(self, gi: int, group: dict, t: int, scale: float) -> None:
-        """A step past var_freeze_step: local, and every H steps the sync."""
+        """A step past var_freeze_step: local, and every H steps the sync.
+        The accumulated updates u are p - (p at the last sync): the same
+        memory as DeepSpeed's accumulator, and after a sync every rank holds
+        the same params bit for bit (undoing the local updates by subtracting
+        their sum would leave each rank its own rounding)."""
         params = trained(group)
+        synced = self.synced_params(gi)
         momentum = self.momentum_buffer(gi)
-        accumulator = self.flat_state(gi, "momentum_accumulator", self._accumulators)
         states = [self.state[p] for p in params]
         beta1 = group["betas"][0]
         momentum.mul_(beta1)  # each rank its local gradient (a missing one counts as zero)
@@ -230,18 +247,26 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
         if with_grad:
             avgs, grads = zip(*with_grad)
             torch._foreach_add_(list(avgs), list(grads), alpha=(1 - beta1) / scale)
+        self.mask_unseen(states, "exp_avg")  # else m / eps would move them, compounding, until the sync
         self._lrs[gi] = self._lrs.get(gi, 0.0) + group["lr"]
-        denom = self._apply(params, states, group, accumulate=True)
+        denom = self._apply(params, states, group)
         if t % self.local_step_interval(t) == 0:
             masters = [s.get("master_param", p) for s, p in zip(states, params)]
-            accumulators = [s["momentum_accumulator"] for s in states]
-            torch._foreach_sub_(masters, accumulators)  # back to the last sync point
-            torch._foreach_mul_(accumulators, denom)  # the accumulated momenta, sum of -lr m
-            self._exchange(gi, accumulator, sum(p.numel() for p in params))
-            self.mask_unseen(states, "momentum_accumulator")
-            momentum.copy_(accumulator).div_(-self._lrs[gi])
-            torch._foreach_addcdiv_(masters, accumulators, denom)
-            accumulator.zero_()
+            anchors = [s["synced_param"] for s in states]
+            accumulated = torch.zeros_like(synced)  # u (sqrt(v) + eps): the sum of -lr m since the last sync
+            views, off = [], 0
+            for p in params:
+                views.append(accumulated[off : off + p.numel()].view(p.shape))
+                off += p.numel()
+            torch._foreach_copy_(views, torch._foreach_sub(masters, anchors))
+            torch._foreach_mul_(views, denom)
+            self._exchange(gi, accumulated, off)
+            for view, st in zip(views, states):
+                view.masked_fill_(st["exp_avg_sq"] == 0, 0.0)  # as mask_unseen: no variance, no update
+            momentum.copy_(accumulated).div_(-self._lrs[gi])
+            torch._foreach_copy_(masters, anchors)
+            torch._foreach_addcdiv_(masters, views, denom)
+            torch._foreach_copy_(anchors, masters)  # the new sync point
             self._lrs[gi] = 0.0
         self._finish(params, states, group)
 
@@ -258,9 +283,9 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
     def _load_rank_state(self, saved: dict | None) -> None:
         if self._managed or saved is None:
             # the engine's checkpoint holds rank 0's params and momentum: they are the new sync point
-            for st in self.state.values():
-                if "momentum_accumulator" in st:
-                    st["momentum_accumulator"].zero_()
+            for st, p in ((self.state[p], p) for g in self.param_groups for p in trained(g)):
+                if "synced_param" in st:
+                    st["synced_param"].copy_(st.get("master_param", p))
             self._lrs = {}
         else:
             self._lrs = {int(gi): float(v) for gi, v in saved.get("lrs", {}).items()}
