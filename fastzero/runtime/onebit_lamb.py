@@ -263,7 +263,7 @@ class OneBitLamb(OneBitBase, FusedLamb):
         if not self._managed:
             return
         self._fresh.clear()
-        fresh = (saved or {}).get("fresh", {})
+        fresh, restarted = (saved or {}).get("fresh", {}), False
         for gi, group in enumerate(self.param_groups):
             params = trained(group)
             if not params or self.steps_done < self.freeze_step:
@@ -274,8 +274,10 @@ class OneBitLamb(OneBitBase, FusedLamb):
             else:
                 for p in params:
                     self.state[p]["exp_avg_sq_fresh"].copy_(self.state[p]["exp_avg_sq"])
-                warnings.warn(
-                    "OneBitLamb: the checkpoint's fresh variance (exp_avg_sq_fresh) is per rank and for another "
-                    "world size (or missing); it restarts from the frozen variance",
-                    stacklevel=2,
-                )
+                restarted = True
+        if restarted:
+            warnings.warn(
+                "OneBitLamb: the checkpoint's fresh variance (exp_avg_sq_fresh) is per rank and for another "
+                "world size (or missing); it restarts from the frozen variance",
+                stacklevel=2,
+            )
