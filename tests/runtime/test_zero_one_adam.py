@@ -261,7 +261,8 @@ def test_engine_converges_like_adamw(tmp_path):
 
 def test_engine_checkpoint_resumes_the_same_run(tmp_path):
     """Saved at a sync in the local phase (t=28, H=2 there): the resumed run
-    is the straight one, loss for loss and bit for bit, on both ranks."""
+    is the straight one, loss for loss and bit for bit, on both ranks.
+    Saved between two syncs, it resumes from rank 0's params on every rank."""
     ckpt = str(tmp_path / "ckpt")
     params = dict(var_freeze_step=20, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
     runs = [
@@ -275,3 +276,13 @@ def test_engine_checkpoint_resumes_the_same_run(tmp_path):
         assert resumed["losses"] == straight["losses"][28:]
         assert all(torch.equal(resumed["params"][k], v) for k, v in straight["params"].items())
         assert resumed["load_warnings"] == []
+    # saved between syncs (t=30, H=4): rank 0's params become every rank's sync point; the ranks agree again at the
+    # next sync and the run goes on close to the straight one
+    runs = [
+        dict(name="mid", optimizer="ZeroOneAdam", steps=30, params=params, freeze=20, save_at=30, save=ckpt + "2"),
+        dict(name="after", optimizer="ZeroOneAdam", steps=36, params=params, freeze=20, start=30, load=ckpt + "2"),
+    ]
+    load = _train(tmp_path, "mid", runs)
+    after = [load("after", r) for r in range(2)]
+    assert all(torch.equal(after[1]["params"][k], v) for k, v in after[0]["params"].items())
+    assert after[0]["eval_loss"] <= 1.05 * load("straight")["eval_loss"]
