@@ -153,8 +153,50 @@ OPTIMIZER_PARAMS = {
         comm_backend_name="",  # DeepSpeed's backend choice: accepted and ignored, any torch.distributed backend works
         cuda_aware=False,
     ),
+    # bias_correction: accepted as False only (DeepSpeed's accept it and apply none)
+    "zerooneadam": dict(
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        bias_correction=False,
+        eps_inside_sqrt=False,
+        max_grad_norm=0.0,
+        var_freeze_step=100000,
+        var_update_scaler=16,
+        local_step_scaler=32678,
+        local_step_clipper=16,
+        comm_backend_name="",
+        cuda_aware=False,
+    ),
+    "onebitlamb": dict(
+        lr=1e-3,
+        freeze_step=100000,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        bias_correction=False,
+        eps_inside_sqrt=False,
+        max_grad_norm=0.0,
+        max_coeff=10.0,
+        min_coeff=0.01,
+        comm_backend_name="",
+        cuda_aware=False,
+        coeff_beta=0.9,
+        factor_max=4.0,
+        factor_min=0.5,
+        factor_threshold=0.1,
+    ),
 }
-OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "onebitadam": "OneBitAdam"}
+OPTIMIZER_NAMES = {
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "lamb": "Lamb",
+    "onebitadam": "OneBitAdam",
+    "zerooneadam": "ZeroOneAdam",
+    "onebitlamb": "OneBitLamb",
+}
+ONEBIT_FAMILY = ("onebitadam", "zerooneadam", "onebitlamb")  # the types that take DeepSpeed's comm_backend_name
 OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam")
 
 
@@ -185,6 +227,21 @@ OPTIMIZER_RULES: dict[str, OptimizerRule] = {
         stages=(0, 1),
         stages_reason="after freeze_step each rank needs its whole local gradient, which stages 2-3 reduce and free "
         "during backward",
+        offload=False,
+        offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
+    ),
+    "ZeroOneAdam": OptimizerRule(
+        stages=(0,),
+        stages_reason="its local steps need every rank to hold all params and their whole optimizer state, which "
+        "stages 1-3 partition; use stage 0, or OneBitAdam at stage 1",
+        offload=False,
+        offload_reason="its compressed and local steps run where the params are, and the CPU step is Adam/AdamW's "
+        "(CPUAdam)",
+    ),
+    "OneBitLamb": OptimizerRule(
+        stages=(0,),
+        stages_reason="its trust ratios and frozen scaling coefficients need each param whole, and stages 1-3 "
+        "partition them; use stage 0",
         offload=False,
         offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
     ),
@@ -420,7 +477,7 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
         raise _unknown("optimizer.type = ", opt.type, list(OPTIMIZER_NAMES.values()), "optimizer")
     allowed = OPTIMIZER_PARAMS[key]
     for name in opt.params:
-        if name in OPTIMIZER_UNSUPPORTED_PARAMS or (name == "comm_backend_name" and key != "onebitadam"):
+        if name in OPTIMIZER_UNSUPPORTED_PARAMS or (name == "comm_backend_name" and key not in ONEBIT_FAMILY):
             raise ConfigNotSupported(f"optimizer.params.{name}: not supported by fastzero's {OPTIMIZER_NAMES[key]}")
         if name not in allowed:
             raise _unknown(f"optimizer.params ({OPTIMIZER_NAMES[key]}).", name, list(allowed))
@@ -440,7 +497,7 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
             params[name] = _check_value(path, value, dict(kind="int", low=0))
         else:
             params[name] = _check_value(path, value, dict(kind="float", low=0.0))
-    if key == "lamb" and params["min_coeff"] > params["max_coeff"]:
+    if key in ("lamb", "onebitlamb") and params["min_coeff"] > params["max_coeff"]:
         raise ConfigError(
             f"optimizer.params.min_coeff = {params['min_coeff']!r}: must be <= optimizer.params.max_coeff "
             f"({params['max_coeff']!r}), the trust ratio's bounds"
@@ -450,7 +507,30 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
             f"optimizer.params.freeze_step = {params['freeze_step']}: must be >= 1, the uncompressed warm-up steps "
             "whose variance 1-bit Adam then freezes"
         )
+    if key in ("zerooneadam", "onebitlamb"):
+        _check_onebit_family(OPTIMIZER_NAMES[key], params)
     return replace(opt, type=OPTIMIZER_NAMES[key], params=params)
+
+
+def _check_onebit_family(name: str, params: dict) -> None:
+    """ZeroOneAdam's and OneBitLamb's params beyond the types' checks."""
+    for flag in ("bias_correction", "eps_inside_sqrt"):
+        if params[flag]:
+            raise ConfigNotSupported(
+                f"optimizer.params.{flag} = true: {name}'s math has none (DeepSpeed's {name} accepts "
+                f"{flag} and applies none); set it to false or leave it out"
+            )
+    counts = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "freeze_step")
+    for count in counts:
+        if count in params and params[count] < 1:
+            raise ConfigError(f"optimizer.params.{count} = {params[count]}: must be >= 1 (a number of steps)")
+    if "coeff_beta" in params and not params["coeff_beta"] < 1:
+        raise ConfigError(f"optimizer.params.coeff_beta = {params['coeff_beta']!r}: must be in [0, 1), an EMA's beta")
+    if "factor_min" in params and params["factor_min"] > params["factor_max"]:
+        raise ConfigError(
+            f"optimizer.params.factor_min = {params['factor_min']!r}: must be <= optimizer.params.factor_max "
+            f"({params['factor_max']!r}), the lamb factor's bounds"
+        )
 
 
 def _resolve_scheduler(sched: SchedulerConfig) -> SchedulerConfig:

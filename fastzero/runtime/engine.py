@@ -34,7 +34,7 @@ from fastzero.runtime.groups import ZeroGroup, mark_owner
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
 from fastzero.runtime.monitor import Monitor
-from fastzero.runtime.onebit_adam import OneBitAdam
+from fastzero.runtime.onebit_base import OneBitBase
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
 from fastzero.runtime.stage3 import ParamFetcher, Stage3Group, is_partitioned
@@ -167,7 +167,7 @@ class Engine(torch.nn.Module):
             optimizer,
             master_weights=self.dtype != torch.float32,
         )
-        self.onebit = isinstance(self.optimizer, OneBitAdam)
+        self.onebit = isinstance(self.optimizer, OneBitBase)  # the 1-bit family
         if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
             self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)

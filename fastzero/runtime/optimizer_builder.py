@@ -14,6 +14,8 @@ from fastzero.config import Config, ConfigError, ConfigNotSupported, check_optim
 from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
 from fastzero.runtime.offload import OffloadedAdam
 from fastzero.runtime.onebit_adam import OneBitAdam
+from fastzero.runtime.onebit_lamb import OneBitLamb
+from fastzero.runtime.zero_one_adam import ZeroOneAdam
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
 _LAMB_KEYS = (
@@ -28,11 +30,26 @@ _LAMB_KEYS = (
     "eps_inside_sqrt",
 )
 _ONEBIT_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+_ZERO_ONE_KEYS = ("lr", "betas", "eps", "weight_decay")
+_ONEBIT_LAMB_KEYS = ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")
+_GROUP_KEYS = {
+    "Lamb": _LAMB_KEYS,
+    "OneBitAdam": _ONEBIT_KEYS,
+    "ZeroOneAdam": _ZERO_ONE_KEYS,
+    "OneBitLamb": _ONEBIT_LAMB_KEYS,
+}
 _ONEBIT_IGNORED = ("comm_backend_name", "cuda_aware")  # DeepSpeed's backend flags: any torch.distributed backend works
 
 
 # the fastzero class of each optimizer name of fastzero.config.OPTIMIZER_RULES
-_CLASSES = {"Adam": FusedAdam, "AdamW": FusedAdam, "Lamb": FusedLamb, "OneBitAdam": OneBitAdam}
+_CLASSES = {
+    "Adam": FusedAdam,
+    "AdamW": FusedAdam,
+    "Lamb": FusedLamb,
+    "OneBitAdam": OneBitAdam,
+    "ZeroOneAdam": ZeroOneAdam,
+    "OneBitLamb": OneBitLamb,
+}
 
 
 def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]]:
@@ -42,6 +59,14 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]]:
     if isinstance(client, OneBitAdam):
         kwargs = dict(freeze_step=client.freeze_step, max_grad_norm=client.max_grad_norm)
         return "OneBitAdam", kwargs, [{k: g[k] for k in _ONEBIT_KEYS if k in g} for g in groups]
+    if isinstance(client, ZeroOneAdam):
+        keys = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "max_grad_norm")
+        kwargs = {k: getattr(client, k) for k in keys}
+        return "ZeroOneAdam", kwargs, [{k: g[k] for k in _ZERO_ONE_KEYS if k in g} for g in groups]
+    if isinstance(client, OneBitLamb):
+        keys = ("freeze_step", "max_grad_norm", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+        kwargs = {k: getattr(client, k) for k in keys}
+        return "OneBitLamb", kwargs, [{k: g[k] for k in _ONEBIT_LAMB_KEYS if k in g} for g in groups]
     if isinstance(client, FusedLamb):
         return "Lamb", {}, [{k: g[k] for k in _LAMB_KEYS if k in g} for g in groups]
     if isinstance(client, (FusedAdam, CPUAdam)):
@@ -89,13 +114,13 @@ def build_optimizer(
         raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass optimizer= to initialize()")
     else:
         name, params = opt.type, dict(opt.params)
-        if name == "OneBitAdam":
+        if name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
             for key in _ONEBIT_IGNORED:
                 params.pop(key, None)
         elif name in ("Adam", "AdamW"):
             params["adam_w_mode"] = params.pop("adam_w_mode", True) if name == "Adam" else True
         kwargs = params
-        keys = {"Lamb": _LAMB_KEYS, "OneBitAdam": _ONEBIT_KEYS}.get(name, ("lr", "betas", "eps", "weight_decay"))
+        keys = _GROUP_KEYS.get(name, ("lr", "betas", "eps", "weight_decay"))
         hypers = [{k: g[k] for k in keys if k in g} for g in groups]  # per-group overrides of the config
     offload = cfg.zero_optimization.offload_optimizer
     check_optimizer(name, cfg.zero_optimization.stage, offload=offload.device != "none")

@@ -13,6 +13,8 @@ from fastzero.comm.layout import ALIGN
 from fastzero.config import ConfigError, ConfigNotSupported
 from fastzero.ops import FusedLamb
 from fastzero.runtime.onebit_adam import OneBitAdam
+from fastzero.runtime.onebit_lamb import OneBitLamb
+from fastzero.runtime.zero_one_adam import ZeroOneAdam
 from tests.test_config import REFUSED, zero_section
 from tests.workers.train_zero import make_model
 
@@ -155,7 +157,14 @@ def test_initialize_errors_name_the_problem(kwargs, error, match):
         fastzero.initialize(model=make_model(), **kwargs)
 
 
-CLIENT_OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Lamb": FusedLamb, "OneBitAdam": OneBitAdam}
+CLIENT_OPTIMIZERS = {
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+    "Lamb": FusedLamb,
+    "OneBitAdam": OneBitAdam,
+    "ZeroOneAdam": ZeroOneAdam,
+    "OneBitLamb": OneBitLamb,
+}
 
 
 @pytest.mark.parametrize("name, stage, offload, reason", REFUSED)

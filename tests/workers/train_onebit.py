@@ -3,7 +3,7 @@ a JSON file with a list of runs. A student MLP learns a fixed random teacher
 (a task with a reachable low loss); each rank saves its losses, params and the
 bytes its collectives sent after freeze_step to `out` + f".rank{rank}.pt".
 
-Run keys: optimizer ("OneBitAdam" or "AdamW"), stage, dtype, scale_power
+Run keys: optimizer (a config optimizer type), params (more optimizer params), stage, dtype, scale_power
 (fp16's initial loss scale), loss_mult (the loss backward sees), steps,
 freeze, lr, gas, clip, standalone (OneBitAdam without the engine), rank_scale
 (standalone: each rank scales its loss by its own power of two and passes it
@@ -45,6 +45,7 @@ def config(run: dict) -> dict:
     params = {"lr": run.get("lr", 3e-3), "weight_decay": 0.01}
     if run["optimizer"] == "OneBitAdam":
         params.update(freeze_step=run.get("freeze", 20), comm_backend_name="gloo")
+    params.update(run.get("params", {}))  # ZeroOneAdam's, OneBitLamb's (tests/runtime/test_zero_one_adam.py ...)
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": run.get("gas", 1),
