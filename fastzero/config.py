@@ -70,6 +70,7 @@ class FP16Config:
     hysteresis: int = _opt(2, "int", low=1)
     consecutive_hysteresis: bool = _opt(False, "bool")
     min_loss_scale: float = _opt(1.0, "float", low=0.0, low_open=True)
+    auto_cast: bool = _opt(False, "bool")  # accepted: the engine always casts floating-point inputs
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,8 @@ KEYS: dict[str, Key] = {
         "fastzero always tracks micro-steps and steps at the accumulation boundary (DeepSpeed's default true); "
         "a client-owned boundary is not implemented"
     ),
-    "steps_per_print": done("how often the engine logs its progress"),
-    "wall_clock_breakdown": done("the engine times forward, backward and step (engine.take_timers)"),
+    "steps_per_print": done("how often the engine logs its metrics (loss, lr, grad norm, samples/s, ...)"),
+    "wall_clock_breakdown": done("the logged metrics add the forward/backward/step time split"),
     "dataloader_drop_last": done("the training_data loader drops a last, short micro-batch"),
     "log_level": refused("fastzero logs with the logging module; set the 'fastzero' logger's level"),
     "dump_state": refused("DeepSpeed prints its engine state at start; fastzero has no such dump"),
@@ -121,7 +121,7 @@ KEYS: dict[str, Key] = {
     "optimizer.type=onebitadam": done("1-bit Adam (docs/onebit.md), stages 0-1"),
     "optimizer.type=zerooneadam": pending("ZeroOneAdam branch"),
     "optimizer.type=onebitlamb": pending("OneBitLamb branch"),
-    "optimizer.type=adagrad": refused("fastzero has no Adagrad kernel yet; pass a torch.optim.Adagrad to initialize()"),
+    "optimizer.type=adagrad": refused("fastzero has no Adagrad kernel yet"),
     "optimizer.type=lion": refused("fastzero has no Lion kernel yet"),
     "optimizer.type=muon": refused("fastzero has no Muon optimizer yet"),
     "optimizer.type=muadam": refused("the MuP optimizers (mup package) are not implemented"),
@@ -146,7 +146,10 @@ KEYS: dict[str, Key] = {
     "fp16.hysteresis": done("overflows tolerated before the scale halves"),
     "fp16.consecutive_hysteresis": done("hysteresis refills on every step without overflow"),
     "fp16.min_loss_scale": done("the scale never goes below it"),
-    "fp16.auto_cast": refused("fastzero casts the module to float16, not its inputs; cast them in the model"),
+    "fp16.auto_cast": accepted(
+        "the engine always casts floating-point forward inputs to the training dtype (DeepSpeed's true); with "
+        "false, inputs already in float16 are unchanged by that cast, and others need it"
+    ),
     "fp16.fp16_master_weights_and_grads": refused("the masters are always fp32"),
     "bf16": done("bfloat16 training with fp32 masters"),
     "bf16.enabled": done(),
@@ -154,13 +157,16 @@ KEYS: dict[str, Key] = {
     "bf16.check_grad_overflow": refused("a non-finite gradient is handled by non_finite_grads (skip or raise)"),
     "bf16.bf16_master_weights_and_grads": refused("the masters are always fp32"),
     "bf16.bf16_optimizer_states": refused("the optimizer states are always fp32"),
-    "bfloat16": refused("DeepSpeed's old name of bf16: rename the section to bf16"),
+    "bfloat16": alias("bf16"),
     "amp": refused(f"{REMOVED}; use bf16 or fp16"),
     "torch_autocast": refused("torch.autocast around the forward is not implemented; use bf16 or fp16"),
     "torch_autocast.enabled": refused("see torch_autocast"),
     "torch_autocast.dtype": refused("see torch_autocast"),
     "torch_autocast.lower_precision_safe_modules": refused("see torch_autocast"),
-    "data_types": refused("fastzero accumulates gradients and keeps buffers in the training dtype; not configurable"),
+    "data_types": refused(
+        "DeepSpeed's grad_accum_dtype/param_dtype/buffer_dtype overrides are not implemented; fastzero's dtypes "
+        "follow fp16/bf16"
+    ),
     "fp8": refused("fp8 training is not implemented"),
     # -- ZeRO -----------------------------------------------------------------------------------------------------
     "zero_optimization": done("ZeRO stages 0-3 (docs/zero.md)"),
