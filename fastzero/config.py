@@ -412,7 +412,9 @@ def _legacy_offload(raw: dict) -> dict:
     if "cpu_offload_use_pin_memory" in out:
         pin = _check_value("zero_optimization.cpu_offload_use_pin_memory", out.pop("cpu_offload_use_pin_memory"), flag)
         on = [
-            new for new in LEGACY_OFFLOAD.values() if str((out.get(new) or {}).get("device", "none")).lower() == "cpu"
+            new
+            for new in LEGACY_OFFLOAD.values()
+            if isinstance(out.get(new), dict) and str(out[new].get("device", "none")).lower() == "cpu"
         ]
         if not on:
             raise ConfigError(

@@ -156,8 +156,9 @@ def test_each_refused_key_says_why(key):
 
 
 def test_keys_other_branches_implement_are_refused_until_they_merge():
+    """Only these are pending(...); each flips to done(...) in one line when its branch merges."""
     later = {k for k, v in KEYS.items() if v.later}
-    assert {
+    assert later <= {
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
         "zero_optimization.sub_group_size",
@@ -170,7 +171,7 @@ def test_keys_other_branches_implement_are_refused_until_they_merge():
         "prescale_gradients",
         "gradient_predivide_factor",
         "zero_optimization.ignore_unused_parameters",
-    } == later
+    }
 
 
 LEGACY_OFFLOAD = ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
