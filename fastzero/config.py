@@ -432,11 +432,23 @@ def _legacy_offload(raw: dict) -> dict:
     return out
 
 
+TORCH_OPTIMIZER = "optimizer.type=<torch.optim class>"  # the table's row for DeepSpeed's fallback
+
+
+def _torch_optimizer(name: str) -> bool:
+    """Whether `name` is a torch.optim optimizer (DeepSpeed builds any type it
+    does not know as torch.optim's class of that name)."""
+    import torch.optim  # here: the config layer needs torch only for this
+
+    cls = getattr(torch.optim, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+
+
 def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     if not opt.type and not opt.params:
         return opt
     key = opt.type.lower()
-    found = lookup(f"optimizer.type={key}")
+    found = lookup(f"optimizer.type={key}") or (lookup(TORCH_OPTIMIZER) if _torch_optimizer(opt.type) else None)
     if key not in OPTIMIZER_PARAMS and found is not None and found[1].status == REFUSED:
         raise _not_supported(f"optimizer.type = {opt.type}", found[1].note, found[1].later)
     if key not in OPTIMIZER_PARAMS:

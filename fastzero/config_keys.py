@@ -127,6 +127,11 @@ KEYS: dict[str, Key] = {
     "optimizer.type=muadam": refused("the MuP optimizers (mup package) are not implemented"),
     "optimizer.type=muadamw": refused("the MuP optimizers (mup package) are not implemented"),
     "optimizer.type=musgd": refused("the MuP optimizers (mup package) are not implemented"),
+    # DeepSpeed builds any other name as the torch.optim class of that name
+    "optimizer.type=<torch.optim class>": refused(
+        "DeepSpeed builds torch.optim's class of that name; fastzero's engine runs its fused kernels over its shards: "
+        "use Adam, AdamW or Lamb, or pass torch.optim.Adam/AdamW to initialize(optimizer=...)"
+    ),
     "zero_allow_untested_optimizer": pending("zero_allow_untested_optimizer branch"),
     "zero_force_ds_cpu_optimizer": pending("zero_force_ds_cpu_optimizer branch"),
     "scheduler": done("the learning-rate schedule, by type and params"),

@@ -26,9 +26,11 @@ def vendored() -> list[str]:
 
 
 def nested(path: str, value) -> dict:
-    """{"a": {"b": value}} for "a.b"; optimizer.type=<name> as the type."""
+    """{"a": {"b": value}} for "a.b"; optimizer.type=<name> as the type (a
+    torch.optim class: SGD)."""
     if "=" in path:
         path, name = path.split("=")
+        name = "SGD" if name == "<torch.optim class>" else name
         path, value = path.removesuffix(".type"), {"type": name}
     out = value
     for part in reversed(path.split(".")):
@@ -151,7 +153,8 @@ def test_each_refused_key_says_why(key):
     with pytest.raises(ConfigNotSupported) as info:
         load_config({**BASE, **nested(key, {})})
     message, entry = str(info.value), KEYS[outer]
-    assert message.startswith(outer.replace("=", " = ") + ":") and entry.note in message, message
+    name = outer.replace("=", " = ").replace("<torch.optim class>", "SGD")
+    assert message.startswith(name + ":") and entry.note in message, message
     assert ("does not support yet" in message) == entry.later
 
 
@@ -273,6 +276,8 @@ def test_a_refused_optimizer_type_says_why_and_a_made_up_one_is_unknown():
         load_config({**BASE, "optimizer": {"type": "Lion"}})
     with pytest.raises(ConfigNotSupported, match=r"optimizer.type = ZeroOneAdam: .*does not support yet"):
         load_config({**BASE, "optimizer": {"type": "ZeroOneAdam"}})
+    with pytest.raises(ConfigNotSupported, match=r"optimizer.type = SGD: .*builds torch.optim's class of that name"):
+        load_config({**BASE, "optimizer": {"type": "SGD"}})
     with pytest.raises(ConfigError, match=r"no such optimizer; did you mean 'Adam'"):
         load_config({**BASE, "optimizer": {"type": "Adma"}})
 
