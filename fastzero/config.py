@@ -4,8 +4,10 @@ DeepSpeed's keys, meanings and defaults (DeepSpeed 0.19's documentation), so
 a DeepSpeed config works unchanged. Every problem is a :class:`ConfigError`
 that names the key (as a dotted path), the value and what is allowed: a key
 that does not exist (with a did-you-mean), a value of the wrong type or range,
-a combination that cannot work. A valid DeepSpeed setting that fastzero does
-not implement yet raises :class:`ConfigNotSupported`; nothing is ignored.
+a combination that cannot work. What fastzero does with each DeepSpeed key is
+one table, :data:`fastzero.config_keys.KEYS` (docs/config_keys.md): a valid
+DeepSpeed setting that fastzero does not implement raises
+:class:`ConfigNotSupported` with the table's reason; nothing is ignored.
 Which optimizer works with which ZeRO stage and with offload is one table,
 :data:`OPTIMIZER_RULES`, which the engine's optimizer builder reads too.
 
@@ -23,6 +25,8 @@ import warnings
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from fastzero.config_keys import ALIAS, REFUSED, lookup, refusal
 
 
 class ConfigError(ValueError):
@@ -66,29 +70,18 @@ class FP16Config:
     hysteresis: int = _opt(2, "int", low=1)
     consecutive_hysteresis: bool = _opt(False, "bool")
     min_loss_scale: float = _opt(1.0, "float", low=0.0, low_open=True)
-    UNSUPPORTED = ("auto_cast", "fp16_master_weights_and_grads")
+    auto_cast: bool = _opt(False, "bool")  # accepted: the engine always casts floating-point inputs
 
 
 @dataclass(frozen=True)
 class BF16Config:
     enabled: bool = _opt(False, "bool")
-    UNSUPPORTED = ("immediate_grad_update", "check_grad_overflow")
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     device: str = _opt("none", "choice", choices=("none", "cpu", "nvme"))
     pin_memory: bool = _opt(False, "bool")
-    UNSUPPORTED = (
-        "nvme_path",
-        "buffer_count",
-        "buffer_size",
-        "max_in_cpu",
-        "fast_init",
-        "ratio",
-        "pipeline_read",
-        "pipeline_write",
-    )
 
 
 @dataclass(frozen=True)
@@ -112,18 +105,11 @@ class ZeroConfig:
     stage3_check_divergence: bool = _opt(True, "bool")
     # params that get no gradient in a step count as zero gradients (a branch not taken); false: an error naming them
     ignore_unused_parameters: bool = _opt(True, "bool")
-    UNSUPPORTED = (
-        "sub_group_size",
-        "round_robin_gradients",
-        "elastic_checkpoint",
-        "zero_hpz_partition_size",
-        "zero_quantized_weights",
-        "zero_quantized_gradients",
-        "mics_shard_size",
-        "load_from_fp32_weights",
-        "cpu_offload",
-        "memory_efficient_linear",
-    )
+    # accepted: every fastzero checkpoint loads at any world size and stage (config_keys.py says why for each)
+    elastic_checkpoint: bool = _opt(False, "bool")
+    round_robin_gradients: bool = _opt(False, "bool")
+    # false: a load re-makes the fp32 masters from the checkpoint's 16-bit weights, not its saved masters
+    load_from_fp32_weights: bool = _opt(True, "bool")
 
 
 OPTIMIZER_PARAMS = {
@@ -343,6 +329,15 @@ class FlopsProfilerConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    # every rank's save tag is compared: a mismatch is ignored, warned about (on every rank) or an error
+    tag_validation: str = _opt("warn", "choice", choices=("ignore", "warn", "fail"))
+    load_universal: bool = _opt(False, "bool")  # accepted: every fastzero load is universal
+    use_node_local_storage: bool = _opt(False, "bool")  # true is refused (config_keys.py)
+    checkpoint_serialization: bool = _opt(True, "bool")  # false is refused (config_keys.py)
+
+
+@dataclass(frozen=True)
 class Config:
     train_batch_size: int | None = _opt(None, "int", low=1, nullable=True)
     train_micro_batch_size_per_gpu: int | None = _opt(None, "int", low=1, nullable=True)
@@ -370,28 +365,7 @@ class Config:
     csv_monitor: MonitorConfig = _section(MonitorConfig)
     wandb: WandbConfig = _section(WandbConfig)
     flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig)
-    UNSUPPORTED = (
-        "comet",
-        "activation_checkpointing",
-        "sparse_attention",
-        "pipeline",
-        "elasticity",
-        "autotuning",
-        "compression_training",
-        "data_efficiency",
-        "amp",
-        "aio",
-        "sparse_gradients",
-        "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer",
-        "dump_state",
-        "checkpoint",
-        "nebula",
-        "curriculum_learning",
-        "fp8",
-        "seq_parallel_communication_data_type",
-        "tensor_parallel",
-    )
+    checkpoint: CheckpointConfig = _section(CheckpointConfig)
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -446,19 +420,47 @@ def _unknown(path: str, key: str, allowed: list[str], what: str = "key") -> Conf
     return ConfigError(f"{path}{key}: no such {what}{hint} Allowed: {', '.join(sorted(allowed))}")
 
 
+def _not_supported(path: str, reason: str, later: bool) -> ConfigNotSupported:
+    """The table's refusal; `later`: another branch is implementing it (`reason` says which)."""
+    why = f"does not support yet (in progress: {reason})" if later else f"does not support: {reason}"
+    return ConfigNotSupported(f"{path}: a DeepSpeed setting that fastzero {why}; remove it to run")
+
+
+def _renamed(raw: dict, prefix: str) -> dict:
+    """`raw` with DeepSpeed's second names (the table's aliases within one
+    section, as ``prefetch_bucket_size``) under their main name; both given
+    is a ConfigError."""
+    out = dict(raw)
+    for key in raw:
+        found = lookup(f"{prefix}{key}")
+        if found is None or found[0] != f"{prefix}{key}" or found[1].status != ALIAS:
+            continue
+        target = found[1].note.removeprefix(prefix)
+        if "." in target or "*" in target:  # not a plain rename: a section's own code reads it
+            continue
+        if target in out:
+            raise ConfigError(
+                f"{prefix}{key} and {prefix}{target} are both given: {key} is another name of {target}; keep one"
+            )
+        out[target] = out.pop(key)
+    return out
+
+
 def _parse(cls: type, raw: Any, path: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'the config'} = {raw!r}: must be an object")
     prefix = f"{path}." if path else ""
+    if cls is ZeroConfig:
+        raw = _legacy_offload(raw)
+    raw = _renamed(raw, prefix)
     names = [f.name for f in fields(cls)]
     for key in raw:
         if key not in names:
-            if key in getattr(cls, "UNSUPPORTED", ()):
-                raise ConfigNotSupported(
-                    f"{prefix}{key}: a DeepSpeed setting that fastzero does not support yet; remove it to run"
-                )
+            found = lookup(f"{prefix}{key}")
+            if found is not None and found[1].status == REFUSED:
+                raise _not_supported(found[0], found[1].note, found[1].later)
             raise _unknown(prefix, key, names)
     values = {}
     for f in fields(cls):
@@ -466,13 +468,81 @@ def _parse(cls: type, raw: Any, path: str) -> Any:
             values[f.name] = _parse(f.metadata["section"], raw.get(f.name), f"{prefix}{f.name}")
         elif f.name in raw:
             values[f.name] = _check_value(f"{prefix}{f.name}", raw[f.name], f.metadata)
+            reason = refusal(f"{prefix}{f.name}", values[f.name])
+            if reason is not None:
+                raise ConfigNotSupported(f"{prefix}{f.name} = {json.dumps(values[f.name])}: {reason}")
     return cls(**values)
+
+
+LEGACY_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _legacy_offload(raw: dict) -> dict:
+    """DeepSpeed's deprecated ZeRO switches as the sections they stand for:
+    ``cpu_offload: true`` is ``offload_optimizer.device: cpu``,
+    ``cpu_offload_param: true`` is ``offload_param.device: cpu``, and
+    ``cpu_offload_use_pin_memory`` is the ``pin_memory`` of those that are
+    on. Given beside the new key with another value: a ConfigError."""
+    if not any(k in raw for k in (*LEGACY_OFFLOAD, "cpu_offload_use_pin_memory")):
+        return raw
+    out = dict(raw)
+    flag = dict(kind="bool")
+    for old, new in LEGACY_OFFLOAD.items():
+        if old not in out:
+            continue
+        on = _check_value(f"zero_optimization.{old}", out.pop(old), flag)
+        section = out.get(new)
+        device = section.get("device") if isinstance(section, dict) else None
+        if device is not None:
+            if (str(device).lower() == "cpu") != on:
+                raise ConfigError(
+                    f"zero_optimization.{old} = {json.dumps(on)} and zero_optimization.{new}.device = {device!r} "
+                    f"disagree: {old} is DeepSpeed's old switch for {new}.device 'cpu'; keep {new} only"
+                )
+        elif on:
+            out[new] = {**(section if isinstance(section, dict) else {}), "device": "cpu"}
+    if "cpu_offload_use_pin_memory" in out:
+        pin = _check_value("zero_optimization.cpu_offload_use_pin_memory", out.pop("cpu_offload_use_pin_memory"), flag)
+        on = [
+            new
+            for new in LEGACY_OFFLOAD.values()
+            if isinstance(out.get(new), dict) and str(out[new].get("device", "none")).lower() == "cpu"
+        ]
+        if not on:
+            raise ConfigError(
+                "zero_optimization.cpu_offload_use_pin_memory pins the CPU copies of an offload, and no offload is on: "
+                "remove it, or set offload_optimizer.device 'cpu'"
+            )
+        for new in on:
+            given = out[new].get("pin_memory")
+            if given is not None and given != pin:
+                raise ConfigError(
+                    f"zero_optimization.cpu_offload_use_pin_memory = {json.dumps(pin)} and zero_optimization.{new}."
+                    f"pin_memory = {json.dumps(given)} disagree: keep {new}.pin_memory only"
+                )
+            out[new] = {**out[new], "pin_memory": pin}
+    return out
+
+
+TORCH_OPTIMIZER = "optimizer.type=<torch.optim class>"  # the table's row for DeepSpeed's fallback
+
+
+def _torch_optimizer(name: str) -> bool:
+    """Whether `name` is a torch.optim optimizer (DeepSpeed builds any type it
+    does not know as torch.optim's class of that name)."""
+    import torch.optim  # here: the config layer needs torch only for this
+
+    cls = getattr(torch.optim, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
 
 
 def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     if not opt.type and not opt.params:
         return opt
     key = opt.type.lower()
+    found = lookup(f"optimizer.type={key}") or (lookup(TORCH_OPTIMIZER) if _torch_optimizer(opt.type) else None)
+    if key not in OPTIMIZER_PARAMS and found is not None and found[1].status == REFUSED:
+        raise _not_supported(f"optimizer.type = {opt.type}", found[1].note, found[1].later)
     if key not in OPTIMIZER_PARAMS:
         raise _unknown("optimizer.type = ", opt.type, list(OPTIMIZER_NAMES.values()), "optimizer")
     allowed = OPTIMIZER_PARAMS[key]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("native", ("fastzero.native", "fastzero.triton_kernels", "fastzero._csrc", "fastzero.checks")),
     ("ops", ("fastzero.ops",)),
-    ("config", ("fastzero.config",)),
+    ("config", ("fastzero.config", "fastzero.config_keys")),
     ("comm", ("fastzero.comm",)),
     # the checkpoint's layers with no engine knowledge: the layout on disk, then the manifest
     ("checkpoint files", ("fastzero.runtime.checkpoint_files",)),

@@ -177,11 +177,38 @@ def _raise_failed(
     raise CheckpointSaveError(f"rank {rank} failed {what} ({msg}); {then}")
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> str:
+def _validated_tag(comm, tag: str, mode: str) -> str:
+    """Rank 0's tag, after comparing every rank's (``checkpoint.tag_validation``:
+    ignore, warn, fail): ranks that name different tags get a warning or a
+    CheckpointError on every rank, before anything is written."""
+    if mode == "ignore" or comm.world_size == 1:
+        return tag
+    tags = comm.all_gather_objects(tag)
+    if len(set(tags)) > 1:
+        differ = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags) if t != tags[0])
+        msg = f"save_checkpoint: the ranks' tags differ (rank 0: {tags[0]!r}, {differ})"
+        if mode == "fail":
+            raise CheckpointError(f"{msg}; checkpoint.tag_validation is 'fail': nothing was saved")
+        warnings.warn(f"{msg}; rank 0's tag is used (checkpoint.tag_validation 'warn')", stacklevel=4)
+    return tags[0]
+
+
+def save_checkpoint(
+    engine,
+    save_dir,
+    tag=None,
+    client_state: dict | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> str:
     """Every rank calls it. Returns the tag's directory ``<save_dir>/<tag>``.
 
     Any failure (the disk full, another job holding the lock) raises on
-    every rank and leaves ``latest`` and the previous checkpoints intact."""
+    every rank and leaves ``latest`` and the previous checkpoints intact.
+    Every rank's tag is compared as ``checkpoint.tag_validation`` says; rank
+    0's is the one used. `exclude_frozen_parameters`: the module's frozen
+    params (``requires_grad=False``) are left out, and a load leaves them as
+    the model has them (DeepSpeed's)."""
     if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
         raise RuntimeError(
             f"save_checkpoint in the middle of gradient accumulation (micro-step {engine.micro_steps}, "
@@ -189,6 +216,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
         )
     comm, root = engine.comm, Path(save_dir)
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")  # before any write
+    tag = _validated_tag(comm, tag, engine._config.checkpoint.tag_validation)
     tag_dir = root / tag
     lock = version = None
     created = flipped = False
@@ -217,10 +245,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
         except Exception as exc:
             error = exc
             abort()
-    payloads, failed = _outcomes(comm, error, version)
+    payloads, failed = _outcomes(comm, error, (tag, version))
     if failed:
         _raise_failed(error, failed, "to start the save")
-    version = payloads[0]
+    tag, version = payloads[0]  # rank 0's tag, whatever tag_validation said of the others'
+    tag_dir = root / tag
     path = tag_dir / version
 
     # 2. every rank writes its file (fsynced, with its checksum)
@@ -249,11 +278,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: dict | None = None
     if comm.rank == 0:
         try:
             aliases, rest = _module_split(engine)
-            module_state = {k: v.detach().cpu().clone() for k, v in rest.items()}
             sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
             frozen = sorted(k for k, v in rest.items() if isinstance(v, torch.nn.Parameter))  # the rest: buffers
+            excluded = frozen if exclude_frozen_parameters else []
+            module_state = {k: v.detach().cpu().clone() for k, v in rest.items() if k not in excluded}
             extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
             extra["frozen_params"] = frozen
+            extra["excluded_frozen_params"] = excluded  # not saved: a strict load does not miss them
             checksums = {rank_file(r): inf for r, (_, inf) in enumerate(payloads)}
             checksums["extra.pt"] = files.save_file(path / "extra.pt", extra)
             manifest = {
@@ -370,12 +401,17 @@ def _check_model(manifest: dict, engine, path: Path) -> None:
         raise CheckpointError(f"{path}: the checkpoint's param groups differ from the engine's")
 
 
-def _module_state(engine, saved: dict, path: Path, strict: bool) -> tuple[dict, list[str], list[str]]:
+def _module_state(
+    engine, saved: dict, path: Path, strict: bool, excluded: list[str] = ()
+) -> tuple[dict, list[str], list[str]]:
     """The saved buffers and frozen params to load into the module, and the
     names missing from the checkpoint and not in the module. Strict: any
-    such name is a CheckpointError; a shape that differs always is."""
+    such name is a CheckpointError; a shape that differs always is. The
+    frozen params the save `excluded` (exclude_frozen_parameters) are not
+    missing: the module keeps its own, as DeepSpeed's load does."""
     _, ours = _module_split(engine)
-    missing = [k for k in ours if k not in saved]
+    left_out = {k for k in excluded if isinstance(ours.get(k), torch.nn.Parameter)}
+    missing = [k for k in ours if k not in saved and k not in left_out]
     unexpected = [k for k in saved if k not in ours]
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -413,6 +449,23 @@ class _Ready:
     same_world: bool
 
 
+def _masters_from_weights(pieces: dict[str, list[PieceState]], dtype: torch.dtype) -> dict[str, list[PieceState]]:
+    """``zero_optimization.load_from_fp32_weights: false``: each fp32 master
+    re-made from the 16-bit weight, master = float(dtype(saved master)), as
+    DeepSpeed re-makes them from the module's 16-bit params (the weights a
+    16-bit run trains are its masters rounded). In fp32 training the masters
+    are the weights: nothing changes."""
+    if dtype == torch.float32:
+        return pieces
+    return {
+        name: [
+            PieceState(p.name, p.lo, p.hi, {**p.tensors, "master": p.tensors["master"].to(dtype).float()})
+            for p in group
+        ]
+        for name, group in pieces.items()
+    }
+
+
 def _prepare(engine, load_dir, tag, strict: bool) -> _Ready | None:
     located = files.locate(load_dir, tag)
     if located is None:
@@ -426,8 +479,11 @@ def _prepare(engine, load_dir, tag, strict: bool) -> _Ready | None:
             wanted.setdefault(piece.name, []).append((piece.lo, piece.hi))
     read: dict[str, Any] = {}
     pieces = _pieces(path, manifest, wanted, read)
+    if not engine._config.zero_optimization.load_from_fp32_weights:
+        pieces = _masters_from_weights(pieces, engine.dtype)
     extra = _read_extra(path, manifest)
-    module_state, missing, unexpected = _module_state(engine, extra["module_state"], path, strict)
+    excluded = extra.get("excluded_frozen_params", [])
+    module_state, missing, unexpected = _module_state(engine, extra["module_state"], path, strict, excluded)
     same_world = manifest["world_size"] == engine.comm.world_size
     own_file = {}
     if same_world:

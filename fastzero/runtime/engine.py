@@ -592,17 +592,12 @@ class Engine(torch.nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> str:
         """DeepSpeed's signature. Every rank calls it; returns the tag's
-        directory (docs/checkpoints.md). `exclude_frozen_parameters` is
-        refused by name: fastzero's checkpoints keep frozen params (a few
-        bytes beside the optimizer state) so that a load stays strict."""
+        directory (docs/checkpoints.md). `exclude_frozen_parameters`: the
+        frozen params (``requires_grad=False``) are not saved, and a strict
+        load does not miss them (the model keeps its own), as DeepSpeed."""
         from fastzero.runtime.checkpoint_io import save_checkpoint
 
-        if exclude_frozen_parameters:
-            raise NotImplementedError(
-                "save_checkpoint(exclude_frozen_parameters=True) is not supported yet: fastzero saves frozen params "
-                "with the buffers; leave it False"
-            )
-        return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+        return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,

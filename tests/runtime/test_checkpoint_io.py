@@ -165,3 +165,130 @@ def test_consolidate_command(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "not a fastzero checkpoint" in bad.stderr or "no 'latest'" in bad.stderr
+
+
+def masters(engine) -> dict:
+    """Each owned piece's fp32 master and exp_avg, by (param name, lo)."""
+    out = {}
+    for g, og in zip(engine.groups, engine.optimizer.param_groups):
+        for piece in g.pieces_out(engine.optimizer, og["params"]):
+            out[piece.name, piece.lo] = {k: v.detach().clone() for k, v in piece.tensors.items()}
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_from_fp32_weights_false_remakes_the_masters_from_the_16bit_weights(tmp_path, stage):
+    """zero_optimization.load_from_fp32_weights: true (default) restores the
+    saved fp32 masters; false re-makes each from the bf16 weight (the master
+    equals the bf16 param upcast); the optimizer state loads either way."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 100}
+    trained, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization=zero, bf16={"enabled": True}))
+    run_engine(trained, batches(3))
+    trained.save_checkpoint(tmp_path)
+    saved = masters(trained)
+    with trained.gathered() as module:
+        weights = {n: p.detach().float().reshape(-1).clone() for n, p in module.named_parameters()}
+    for from_fp32 in (True, False):
+        config = cfg(zero_optimization={**zero, "load_from_fp32_weights": from_fp32}, bf16={"enabled": True})
+        fresh, *_ = fastzero.initialize(model=make_model(), config=config)
+        fresh.load_checkpoint(tmp_path)
+        loaded = masters(fresh)
+        assert loaded.keys() == saved.keys()
+        rounded = 0
+        for (name, lo), state in loaded.items():
+            want = saved[name, lo]["master"]
+            if not from_fp32:
+                hi = lo + want.numel()
+                assert torch.equal(state["master"], weights[name][lo:hi]), name
+                assert torch.equal(state["master"], want.to(torch.bfloat16).float()), name
+                rounded += int((state["master"] != want).sum())
+            else:
+                assert torch.equal(state["master"], want), name
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key], saved[name, lo][key]), (name, key)
+        assert from_fp32 or rounded > 0  # the rounding did change masters: the saved ones were not used
+        with trained.gathered() as a, fresh.gathered() as b:  # the bf16 params are the same either way
+            for (name, p), q in zip(a.named_parameters(), b.parameters()):
+                assert torch.equal(p, q), name
+
+
+def test_tag_validation_compares_every_ranks_tag(tmp_path):
+    """Two ranks save under different tags: warn (every rank warns, rank 0's
+    tag is saved), fail (every rank raises, nothing saved), ignore (rank 0's
+    tag, no word). The same tag on every rank: no warning."""
+    from tests.dist import run_ranks
+    from tests.paths import WORKERS
+
+    run_ranks(WORKERS / "tag_validation.py", 2, [tmp_path, tmp_path / "out"], timeout=240)
+    for rank in range(2):
+        for mode, res in torch.load(tmp_path / f"out.rank{rank}.pt").items():
+            root, differ, same = tmp_path / mode, res["differ"], res["same"]
+            assert same["error"] is None and not same["warnings"] and same["path"] == str(root / "same")
+            if mode == "fail":
+                assert differ["path"] is None, differ
+                assert "the ranks' tags differ (rank 0: 't0', rank 1: 't1')" in differ["error"], differ
+                assert "tag_validation is 'fail': nothing was saved" in differ["error"]
+                assert res["left"] == ["latest", "same"]
+                continue
+            assert differ["error"] is None and differ["path"] == str(root / "t0"), (mode, differ)
+            assert res["left"] == ["latest", "same", "t0"]
+            if mode == "warn":
+                assert len(differ["warnings"]) == 1 and "rank 0's tag is used" in differ["warnings"][0], differ
+            else:
+                assert not differ["warnings"], differ
+
+
+class Frozen(torch.nn.Module):
+    """A frozen embedding-like layer before a trained MLP, and a buffer."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.base = torch.nn.Linear(33, 33)
+        self.base.requires_grad_(False)
+        self.head = make_model()
+        self.register_buffer("scale", torch.rand(17) + seed)
+
+    def forward(self, x):
+        return self.head(self.base(x)) * self.scale
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_exclude_frozen_parameters_leaves_them_out_and_a_strict_load_keeps_the_models(tmp_path, stage):
+    """save_checkpoint(exclude_frozen_parameters=True): the frozen params are
+    not in the checkpoint nor in its consolidated state_dict; a strict load
+    keeps the loading model's own frozen params and loads all the rest; a
+    buffer missing from the checkpoint still fails a strict load."""
+    from fastzero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    config = cfg(zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 100})
+    trained, *_ = fastzero.initialize(model=Frozen(seed=1), config=config)
+    run_engine(trained, batches(2))
+    trained.save_checkpoint(tmp_path / "full")
+    trained.save_checkpoint(tmp_path / "lean", exclude_frozen_parameters=True)
+    full, lean = consolidate(tmp_path / "full"), get_fp32_state_dict_from_zero_checkpoint(tmp_path / "lean")
+    assert {"base.weight", "base.bias", "scale"} <= full.keys()
+    assert full.keys() - lean.keys() == {"base.weight", "base.bias"}
+    assert all(torch.equal(lean[k], full[k]) for k in lean)
+
+    fresh, *_ = fastzero.initialize(model=Frozen(seed=2), config=config)
+    with fresh.gathered() as module:
+        own = {k: v.clone() for k, v in module.base.state_dict().items()}
+    fresh.load_checkpoint(tmp_path / "lean", load_module_strict=True)
+    with trained.gathered() as a, fresh.gathered() as b:
+        for name, p in b.named_parameters():
+            want = own[name.removeprefix("base.")] if name.startswith("base.") else a.get_parameter(name)
+            assert torch.equal(p, want), name
+            assert not name.startswith("base.") or not torch.equal(p, a.get_parameter(name)), name
+        assert torch.equal(b.scale, a.scale)  # the buffer was loaded
+
+    class Extra(Frozen):
+        def __init__(self, seed):
+            super().__init__(seed)
+            self.register_buffer("extra", torch.zeros(3))
+
+    other, *_ = fastzero.initialize(model=Extra(seed=2), config=config)
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \['extra'\]"):
+        other.load_checkpoint(tmp_path / "lean", load_module_strict=True)
+    with pytest.warns(UserWarning, match=r"missing from the checkpoint .*: \['extra'\]"):
+        other.load_checkpoint(tmp_path / "lean", load_module_strict=False)
