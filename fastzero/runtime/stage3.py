@@ -378,7 +378,7 @@ class ParamFetcher:
                 self._release(u)
 
     def _release(self, u: Unit) -> None:
-        if u.gathered:
+        if u.gathered and not u.persistent:  # persistent params stay whole and were never counted as live
             u.release()
             self._count(-u.numel)
 

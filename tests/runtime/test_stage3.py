@@ -189,3 +189,21 @@ def test_init_partitions_at_construction_and_needs_stage3():
         ConfigError, match=r"partitioned by fastzero.zero.Init: train them with zero_optimization.stage 3"
     ):
         fastzero.initialize(model=model, config=cfg(zero_optimization={"stage": 2}))
+
+
+def test_live_elements_return_to_zero_with_persistent_params():
+    """The fetcher counts gathered non-persistent elements only: between
+    steps nothing is live, however many micro-batches ran (persistent params
+    stay whole and were once counted as released, driving the count below
+    zero and loosening stage3_max_live_parameters)."""
+    zero = dict(stage=3, stage3_param_persistence_threshold=100, stage3_max_live_parameters=10**6)
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization=zero))
+    persistent = [u for g in engine.groups for u in g.units if u.persistent]
+    assert persistent and len(persistent) < sum(len(g.units) for g in engine.groups)
+    for x, y in batches(3):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        assert engine.fetcher.live == 0
+    with engine.gathered():
+        assert engine.fetcher.live > 0
+    assert engine.fetcher.live == 0
