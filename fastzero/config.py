@@ -110,8 +110,11 @@ class ZeroConfig:
     # fastzero's: the ranks agree on each module before gathering its params (a branch that differs across ranks is
     # an error naming the module, not an abort or a hang); one tiny host-side all-reduce per module forward
     stage3_check_divergence: bool = _opt(True, "bool")
+    # the optimizer step over the shard runs in sub-groups of at most this many elements (a tensor larger than it is
+    # a sub-group of its own), bounding the step's temporary buffers: the offloaded step's staging, a client
+    # optimizer's fp32 gradients. DeepSpeed's default
+    sub_group_size: int = _opt(1_000_000_000, "int", low=1)
     UNSUPPORTED = (
-        "sub_group_size",
         "round_robin_gradients",
         "elastic_checkpoint",
         "zero_hpz_partition_size",
@@ -279,6 +282,11 @@ class Config:
     wall_clock_breakdown: bool = _opt(False, "bool")
     tensorboard: MonitorConfig = _section(MonitorConfig)
     csv_monitor: MonitorConfig = _section(MonitorConfig)
+    # a client optimizer fastzero does not take over (SGD, Adagrad, a custom one) at ZeRO stages 1-3: refused unless
+    # true (DeepSpeed's key); with offload_optimizer it runs on the CPU shard only when zero_force_ds_cpu_optimizer
+    # is false
+    zero_allow_untested_optimizer: bool = _opt(False, "bool")
+    zero_force_ds_cpu_optimizer: bool = _opt(True, "bool")
     UNSUPPORTED = (
         "wandb",
         "comet",
@@ -296,8 +304,6 @@ class Config:
         "prescale_gradients",
         "gradient_predivide_factor",
         "sparse_gradients",
-        "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer",
         "memory_breakdown",
         "dump_state",
         "checkpoint",

@@ -116,7 +116,10 @@ def test_bad_configs_name_the_key_the_value_and_what_is_allowed(config, match):
     [
         (cfg(wandb={"enabled": True}), r"wandb: a DeepSpeed setting that fastzero does not support yet"),
         (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), r"'nvme'"),
-        (cfg(zero_optimization={"sub_group_size": 10}), r"zero_optimization.sub_group_size: a DeepSpeed setting"),
+        (
+            cfg(zero_optimization={"round_robin_gradients": True}),
+            r"zero_optimization.round_robin_gradients: a DeepSpeed setting",
+        ),
         (cfg(optimizer={"type": "Adam", "params": {"amsgrad": True}}), r"optimizer.params.amsgrad: not supported"),
     ],
 )
