@@ -62,6 +62,7 @@ class AdamFamilyOptimizer(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    group_steps = True  # state[p]["step"] mirrors group["step"] (checkpoints keep the group's counter only)
     family: Family  # the kernel family's backends
     hyperparams: type[Hyperparams]
     _device_hint = ""

@@ -158,7 +158,9 @@ class ZeroGroup(Protocol):
         out = []
         for piece in self.owned(opt_params):
             live = param_state(optimizer, piece.opt_param)
-            state, scalars = _flat_state(live, piece.opt_param), _scalars(live)
+            # fastzero's fused optimizers: state["step"] mirrors the group's counter, which the manifest keeps
+            scalars = {} if getattr(optimizer, "group_steps", False) else _scalars(live)
+            state = _flat_state(live, piece.opt_param)
             window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
             out.append(PieceState(piece.name, piece.lo, piece.hi, {k: v[window] for k, v in state.items()}, scalars))
         return out
