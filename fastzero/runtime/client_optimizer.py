@@ -130,6 +130,11 @@ class ClientOptimizer(torch.optim.Optimizer):
                     src.detach().copy_(m, non_blocking=False)
         return None
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the engine zeroes the gradients after each step, and the
+        masters' fp32 grads live only during one (a script's
+        ``optimizer.zero_grad()`` must not detach the engine's gradient views)."""
+
     def init_state(self, p: Tensor) -> dict:
         """The live state of master `p` (empty before the first step for
         optimizers that create it lazily, as torch's do)."""

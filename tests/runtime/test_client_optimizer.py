@@ -253,11 +253,20 @@ def test_the_engine_optimizer_shares_groups_and_state_with_the_rebuilt_one():
     """An lr change through the engine's optimizer reaches the math; a
     closure is refused; state_dict round-trips through torch's."""
     model = make_model()
-    engine, opt, *_ = _initialize(
-        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 1, bf16={"enabled": True}
-    )
+    sgd = torch.optim.SGD(model.parameters(), lr=0.4, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, 1, gamma=0.5)  # built on the client: the engine re-points it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, opt, _, sched = fastzero.initialize(
+            model=model,
+            optimizer=sgd,
+            lr_scheduler=scheduler,
+            config=_cfg(1, bf16={"enabled": True}, zero_allow_untested_optimizer=True),
+        )
     assert opt.param_groups is opt.inner.param_groups and opt.state is opt.inner.state
     _train(engine, 2)
+    assert opt.inner.param_groups[0]["lr"] == 0.1 and engine.get_lr() == [0.1]
+    opt.zero_grad()  # a script's call: the engine's gradients stay attached
     sd = opt.state_dict()
     assert all("momentum_buffer" in s for s in sd["state"].values())
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -269,6 +278,7 @@ def test_the_engine_optimizer_shares_groups_and_state_with_the_rebuilt_one():
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
     opt.load_state_dict(sd)
     assert opt.param_groups is opt.inner.param_groups and opt.param_groups[0]["lr"] == 0.1
+    assert opt.param_groups[0]["momentum"] == 0.9
     with pytest.raises(ValueError, match="no closure"):
         opt.step(lambda: 0.0)
 
