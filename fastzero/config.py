@@ -110,9 +110,9 @@ class ZeroConfig:
     # fastzero's: the ranks agree on each module before gathering its params (a branch that differs across ranks is
     # an error naming the module, not an abort or a hang); one tiny host-side all-reduce per module forward
     stage3_check_divergence: bool = _opt(True, "bool")
-    # the optimizer step over the shard runs in sub-groups of at most this many elements (a tensor larger than it is
-    # a sub-group of its own), bounding the step's temporary buffers: the offloaded step's staging, a client
-    # optimizer's fp32 gradients. DeepSpeed's default
+    # the optimizer step over the shard runs in sub-groups of at most this many elements, bounding the step's
+    # temporary buffers: the offloaded Adam step's staging (it cuts tensors), a client optimizer's fp32 gradients
+    # (whole tensors: a larger one is a sub-group of its own). DeepSpeed's default
     sub_group_size: int = _opt(1_000_000_000, "int", low=1)
     UNSUPPORTED = (
         "round_robin_gradients",

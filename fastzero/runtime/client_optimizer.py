@@ -17,7 +17,9 @@ the tensor is its own master. With temporaries (fp32 grads of separate
 masters) the step runs in sub-groups of whole tensors of at most
 ``sub_group_size`` elements (a larger tensor is a sub-group of its own), so
 the fp32 grads alive at once are bounded; each sub-group is one
-``inner.step()`` over the tensors that have a grad.
+``inner.step()`` over the tensors that have a grad (so an optimizer that
+counts its ``step()`` calls per group, not per param as torch's do, counts
+each sub-group: keep ``sub_group_size`` above the shard for it).
 """
 
 from __future__ import annotations
