@@ -396,3 +396,25 @@ def test_a_torch_adam_with_amsgrad_runs_as_a_client_optimizer():
     for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert re.search("max_exp_avg_sq", str(list(next(iter(opt.state.values())))))
+
+
+@pytest.mark.parametrize("loss_scale", [0.0, 1024.0])  # dynamic, static
+def test_fp16_unscales_before_the_client_step(loss_scale):
+    """fp16: the loss scale is divided out of the grads before SGD's step
+    (left in, the update would be 2**16 or 1024 times too large)."""
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    fp16 = {"enabled": True, "loss_scale": loss_scale, "initial_scale_power": 16}
+    engine, opt, *_ = _initialize(model, sgd, 2, fp16=fp16, gradient_clipping=0.0)
+    _train(engine, 4)
+    assert engine.loss_scale > 1 and engine.skipped_steps == 0
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        x, y = global_batch(step, MICRO)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    got = {n: p.detach().float() for n, p in engine.module.named_parameters()}
+    init = {n: p.detach() for n, p in make_model().named_parameters()}
+    assert_tracks(got, {n: p.detach() for n, p in ref.named_parameters()}, init, 0.1)
