@@ -110,6 +110,10 @@ class ZeroConfig:
     round_robin_gradients: bool = _opt(False, "bool")
     # false: a load re-makes the fp32 masters from the checkpoint's 16-bit weights, not its saved masters
     load_from_fp32_weights: bool = _opt(True, "bool")
+    # the optimizer step over the shard runs in sub-groups of at most this many elements, bounding the step's
+    # temporary buffers: the offloaded Adam step's staging (it cuts tensors), a client optimizer's fp32 gradients
+    # (whole tensors: a larger one is a sub-group of its own). DeepSpeed's default
+    sub_group_size: int = _opt(1_000_000_000, "int", low=1)
 
 
 OPTIMIZER_PARAMS = {
@@ -366,6 +370,11 @@ class Config:
     wandb: WandbConfig = _section(WandbConfig)
     flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
+    # a client optimizer fastzero does not take over (SGD, Adagrad, a custom one) at ZeRO stages 1-3: refused unless
+    # true (DeepSpeed's key); with offload_optimizer it runs on the CPU shard only when zero_force_ds_cpu_optimizer
+    # is false
+    zero_allow_untested_optimizer: bool = _opt(False, "bool")
+    zero_force_ds_cpu_optimizer: bool = _opt(True, "bool")
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -420,10 +429,9 @@ def _unknown(path: str, key: str, allowed: list[str], what: str = "key") -> Conf
     return ConfigError(f"{path}{key}: no such {what}{hint} Allowed: {', '.join(sorted(allowed))}")
 
 
-def _not_supported(path: str, reason: str, later: bool) -> ConfigNotSupported:
-    """The table's refusal; `later`: another branch is implementing it (`reason` says which)."""
-    why = f"does not support yet (in progress: {reason})" if later else f"does not support: {reason}"
-    return ConfigNotSupported(f"{path}: a DeepSpeed setting that fastzero {why}; remove it to run")
+def _not_supported(path: str, reason: str) -> ConfigNotSupported:
+    """The table's refusal, with its reason."""
+    return ConfigNotSupported(f"{path}: a DeepSpeed setting that fastzero does not support: {reason}; remove it to run")
 
 
 def _renamed(raw: dict, prefix: str) -> dict:
@@ -460,7 +468,7 @@ def _parse(cls: type, raw: Any, path: str) -> Any:
         if key not in names:
             found = lookup(f"{prefix}{key}")
             if found is not None and found[1].status == REFUSED:
-                raise _not_supported(found[0], found[1].note, found[1].later)
+                raise _not_supported(found[0], found[1].note)
             raise _unknown(prefix, key, names)
     values = {}
     for f in fields(cls):
@@ -542,7 +550,7 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     key = opt.type.lower()
     found = lookup(f"optimizer.type={key}") or (lookup(TORCH_OPTIMIZER) if _torch_optimizer(opt.type) else None)
     if key not in OPTIMIZER_PARAMS and found is not None and found[1].status == REFUSED:
-        raise _not_supported(f"optimizer.type = {opt.type}", found[1].note, found[1].later)
+        raise _not_supported(f"optimizer.type = {opt.type}", found[1].note)
     if key not in OPTIMIZER_PARAMS:
         raise _unknown("optimizer.type = ", opt.type, list(OPTIMIZER_NAMES.values()), "optimizer")
     allowed = OPTIMIZER_PARAMS[key]

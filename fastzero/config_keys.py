@@ -39,7 +39,6 @@ class Key:
     note: str = ""
     own: bool = False  # fastzero's key, not DeepSpeed's
     refuse: tuple = ()  # (value, reason): that value is refused with the reason
-    later: bool = False  # refused until another branch merges (note: which)
 
 
 def done(note: str = "", *, refuse: tuple = ()) -> Key:
@@ -60,12 +59,6 @@ def alias(target: str) -> Key:
 
 def refused(why: str) -> Key:
     return Key(REFUSED, why)
-
-
-def pending(where: str) -> Key:
-    """Being implemented on another branch: refused until it merges, then
-    flipped to done(...) in one line."""
-    return Key(REFUSED, where, later=True)
 
 
 # Reasons shared by several keys
@@ -132,8 +125,10 @@ KEYS: dict[str, Key] = {
         "DeepSpeed builds torch.optim's class of that name; fastzero's engine runs its fused kernels over its shards: "
         "use Adam, AdamW or Lamb, or pass torch.optim.Adam/AdamW to initialize(optimizer=...)"
     ),
-    "zero_allow_untested_optimizer": pending("zero_allow_untested_optimizer branch"),
-    "zero_force_ds_cpu_optimizer": pending("zero_force_ds_cpu_optimizer branch"),
+    "zero_allow_untested_optimizer": done(
+        "any torch.optim optimizer at ZeRO stages 1-3, rebuilt over the rank's fp32 shard"
+    ),
+    "zero_force_ds_cpu_optimizer": done("false: a client optimizer steps the offloaded CPU shard; true refuses it"),
     "scheduler": done("the learning-rate schedule, by type and params"),
     "scheduler.type": done("one of the types below"),
     "scheduler.params": done("the schedule's parameters, checked by name, DeepSpeed's defaults"),
@@ -246,7 +241,9 @@ KEYS: dict[str, Key] = {
         "stage 3: the ranks agree on each module before gathering its params; a branch that differs across ranks "
         "is an error naming the module"
     ),
-    "zero_optimization.sub_group_size": pending("sub_group_size branch"),
+    "zero_optimization.sub_group_size": done(
+        "the optimizer step runs over the shard in sub-groups of at most this many elements"
+    ),
     "zero_optimization.elastic_checkpoint": accepted(
         "every fastzero checkpoint is elastic: it loads at any world size and stage (docs/checkpoints.md)"
     ),
@@ -404,8 +401,6 @@ def markdown() -> str:
     for path in sorted(KEYS):
         key = KEYS[path]
         note = f"`{key.note}`" if key.status == ALIAS else key.note
-        if key.later:
-            note = f"not implemented yet ({note})"
         if key.refuse:
             value = str(key.refuse[0]).lower() if isinstance(key.refuse[0], bool) else key.refuse[0]
             note = f"{note}; `{value}` is refused: {key.refuse[1]}"

@@ -119,7 +119,10 @@ def test_bad_configs_name_the_key_the_value_and_what_is_allowed(config, match):
             r"comet: a DeepSpeed setting that fastzero does not support: the Comet monitor is not implemented",
         ),
         (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), r"'nvme'"),
-        (cfg(zero_optimization={"sub_group_size": 10}), r"zero_optimization.sub_group_size: a DeepSpeed setting"),
+        (
+            cfg(zero_optimization={"zero_hpz_partition_size": 8}),
+            r"zero_optimization.zero_hpz_partition_size: a DeepSpeed setting",
+        ),
         (cfg(optimizer={"type": "Adam", "params": {"amsgrad": True}}), r"optimizer.params.amsgrad: not supported"),
     ],
 )

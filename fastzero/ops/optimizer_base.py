@@ -88,6 +88,11 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     step skipped on ``found_inf`` is undone on the device, without a sync).
     ``state_dict()`` writes a per-param ``step`` as torch.optim does, so
     torch.optim.Adam/AdamW, CPUAdam, FusedAdam and FusedLamb load each other's.
+    ``state[p]["step"]`` is there too, as torch.optim and DeepSpeedCPUAdam keep
+    it, for every param that has state after a step or a load: a 0-d fp32
+    tensor that *is* the group's counter (GPU groups) or is refreshed from it
+    after each step (CPU groups: one tensor per group, shared by its params).
+    The group's counter stays the source of truth.
 
     Loss scaling: ``step(grad_scale=..., found_inf=...)`` or, as
     ``torch.amp.GradScaler`` does for optimizers that declare
@@ -97,6 +102,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    group_steps = True  # state[p]["step"] mirrors group["step"] (checkpoints keep the group's counter only)
     family: Family  # the kernel family's backends
     hyperparams: type[Hyperparams]
     _device_hint = ""
@@ -117,6 +123,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         self.force_backend = backend  # None: FASTZERO_BACKEND, else the fastest here
         self.last_backend: str | None = None
         self._checked: dict[int, tuple] = {}  # per group: the param set whose lists passed the full checks
+        self._host_steps: dict[int, Tensor] = {}  # per CPU group: the tensor its params' state["step"] is
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then this family's checks of the group's
@@ -189,7 +196,30 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
                 step.sub_((found_inf.to(step.device) != 0).to(torch.float32))  # NaN counts as set, as in the kernels
             for p, data in lists.staged:
                 p.detach().copy_(data)
+            self._publish_step(gi, group)
         return loss
+
+    def _publish_step(self, gi: int, group: dict) -> None:
+        """``state[p]["step"]`` of the group's params: its counter (the
+        device tensor itself, or the group's host tensor set to it)."""
+        step = group.get("step", 0)
+        if isinstance(step, Tensor):
+            view = step
+        else:
+            view = self._host_steps.get(gi)
+            if view is None:
+                view = self._host_steps[gi] = torch.zeros((), dtype=torch.float32)
+            view.fill_(float(step))
+        for p in group["params"]:
+            state = self.state.get(p)
+            if state and state.get("step") is not view:
+                state["step"] = view
+
+    def sync_steps(self) -> None:
+        """``state[p]["step"]`` from every group's counter (after the counter
+        was set from outside, as a checkpoint load does)."""
+        for gi, group in enumerate(self.param_groups):
+            self._publish_step(gi, group)
 
     def _update(self, gi: int, hp: Hyperparams, lists: GroupLists, step, grad_scale, found_inf) -> None:
         """One step of one group on one device, on the backend the family
@@ -333,7 +363,8 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             group["step"] = step
             for pid in group["params"]:
                 if pid in sd["state"]:
-                    sd["state"][pid] = {"step": torch.tensor(step), **sd["state"][pid]}
+                    rest = {k: v for k, v in sd["state"][pid].items() if k != "step"}  # not the shared counter
+                    sd["state"][pid] = {"step": torch.tensor(step), **rest}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -378,6 +409,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
                 group["step"] = int(float(saved["step"]))
             elif steps[gi]:
                 group["step"] = int(max(steps[gi]))
+        self.sync_steps()
 
 
 def as_device_scalar(x: float | Tensor | None, device: torch.device) -> Tensor | None:

@@ -66,7 +66,7 @@ import torch
 from fastzero.runtime import checkpoint_files as files
 from fastzero.runtime.checkpoint_files import CheckpointError, CheckpointSaveError, check_tag, rank_file, resolve
 from fastzero.runtime.checkpoint_manifest import FORMAT, VERSION, read_checked, read_manifest
-from fastzero.runtime.groups import STATE_KEYS, PieceState
+from fastzero.runtime.groups import PieceState
 
 __all__ = [  # with what the other checkpoint modules hold, the public names stay here
     "FORMAT",
@@ -261,7 +261,10 @@ def save_checkpoint(
                 for piece in g.pieces_out(engine.optimizer, opt_params):
                     # a clone: not the whole storage
                     tensors = {k: v.detach().float().cpu().clone() for k, v in piece.tensors.items()}
-                    pieces.append({"name": piece.name, "lo": piece.lo, "hi": piece.hi, **tensors})
+                    entry = {"name": piece.name, "lo": piece.lo, "hi": piece.hi, **tensors}
+                    if piece.scalars:
+                        entry["scalars"] = piece.scalars
+                    pieces.append(entry)
         own = {"pieces": pieces, "rng": torch.get_rng_state(), "onebit": _onebit_state(engine)}
         info = files.save_file(path / rank_file(comm.rank), own)
         index = [[p["name"], p["lo"], p["hi"]] for p in pieces]
@@ -299,6 +302,7 @@ def save_checkpoint(
                 "skipped_steps": engine.skipped_steps,
                 "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
                 "onebit_errors": _has_errors(engine),
+                "optimizer": _state_kind(engine),
                 "groups": [
                     {
                         "step": int(float(og.get("step", 0))),
@@ -344,6 +348,16 @@ def save_checkpoint(
 
 
 # -- reading and checking what a load needs --------------------------------------------------------
+_PIECE_FIELDS = ("name", "lo", "hi", "scalars")  # the rest of a saved piece: its per-element tensors
+ADAM_STATE = "adam"  # the state kind of fastzero's Adam-family optimizers (master, exp_avg, exp_avg_sq)
+
+
+def _state_kind(engine) -> str:
+    """Which optimizer's state the pieces hold: ``adam`` for fastzero's
+    own, the class (module.qualname) of a client optimizer."""
+    return getattr(engine.optimizer, "state_kind", ADAM_STATE)
+
+
 def _pieces(
     path: Path, manifest: dict, wanted: dict[str, list[tuple[int, int]]], cache: dict[str, Any] | None = None
 ) -> dict[str, list[PieceState]]:
@@ -360,13 +374,20 @@ def _pieces(
             raise CheckpointError(f"{path / fname} holds no list of pieces; the file is corrupt")
         for piece in data["pieces"]:
             n = piece["hi"] - piece["lo"]
-            if any(not isinstance(piece.get(k), torch.Tensor) or piece[k].numel() != n for k in STATE_KEYS):
+            tensors = {k: v for k, v in piece.items() if k not in _PIECE_FIELDS}
+            scalars = piece.get("scalars", {})
+            if (
+                "master" not in tensors
+                or any(not isinstance(v, torch.Tensor) or v.numel() != n for v in tensors.values())
+                or not isinstance(scalars, dict)
+            ):
                 raise CheckpointError(
                     f"{path / fname}: piece {piece['name']}[{piece['lo']}:{piece['hi']}] has tensors of the wrong "
                     "size; the file is corrupt"
                 )
-            tensors = {k: piece[k] for k in STATE_KEYS}
-            out.setdefault(piece["name"], []).append(PieceState(piece["name"], piece["lo"], piece["hi"], tensors))
+            out.setdefault(piece["name"], []).append(
+                PieceState(piece["name"], piece["lo"], piece["hi"], tensors, scalars)
+            )
     for name, ranges in wanted.items():
         for lo, hi in ranges:
             covered = sum(min(hi, p.hi) - max(lo, p.lo) for p in out.get(name, []) if p.lo < hi and lo < p.hi)
@@ -459,20 +480,26 @@ def _masters_from_weights(pieces: dict[str, list[PieceState]], dtype: torch.dtyp
         return pieces
     return {
         name: [
-            PieceState(p.name, p.lo, p.hi, {**p.tensors, "master": p.tensors["master"].to(dtype).float()})
+            PieceState(p.name, p.lo, p.hi, {**p.tensors, "master": p.tensors["master"].to(dtype).float()}, p.scalars)
             for p in group
         ]
         for name, group in pieces.items()
     }
 
 
-def _prepare(engine, load_dir, tag, strict: bool) -> _Ready | None:
+def _prepare(engine, load_dir, tag, strict: bool, optimizer_states: bool = True) -> _Ready | None:
     located = files.locate(load_dir, tag)
     if located is None:
         return None
     tag_dir, path = located
     manifest = read_manifest(path)
     _check_model(manifest, engine, path)
+    saved_kind, kind = manifest.get("optimizer", ADAM_STATE), _state_kind(engine)
+    if optimizer_states and saved_kind != kind:
+        raise CheckpointError(
+            f"{path}: the optimizer state was saved by {saved_kind} and this engine's optimizer is {kind}; pass "
+            "load_optimizer_states=False to load the weights only"
+        )
     wanted: dict[str, list[tuple[int, int]]] = {}
     for g, opt_params in _groups(engine):
         for piece in g.owned(opt_params):
@@ -516,7 +543,7 @@ def load_checkpoint(
     ready: _Ready | None = None
     error: BaseException | None = None
     try:
-        ready = _prepare(engine, load_dir, tag, load_module_strict)
+        ready = _prepare(engine, load_dir, tag, load_module_strict, load_optimizer_states and not load_module_only)
     except Exception as exc:  # any failure must reach the agreement, or the other ranks would go on alone
         error = exc
     # one slot per rank (1: it failed), and the count of ranks that found no 'latest'
@@ -564,17 +591,21 @@ def _apply(
             f"{ready.missing}; in the checkpoint but not in the module (ignored): {ready.unexpected}",
             stacklevel=4,
         )
-    keys = STATE_KEYS if load_optimizer_states else ("master",)
+    keys = None if load_optimizer_states else ("master",)  # None: every saved key
     with torch.no_grad():
         for g, opt_params in _groups(engine):
             g.pieces_in(engine.optimizer, opt_params, ready.pieces, keys)
         for group, saved in zip(engine.optimizer.param_groups, manifest["groups"]):
             if load_optimizer_states:
-                group["step"] = saved["step"]
+                if "step" in group or saved["step"]:  # a client optimizer's groups may have no counter
+                    group["step"] = saved["step"]
                 group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved["hyper"].items()})
         sync = getattr(engine.optimizer, "sync_device_params", None)
-        if sync is not None:  # offloaded masters: the device params from them
+        if sync is not None:  # separate masters (offloaded, a client optimizer's): the engine's tensors from them
             sync()
+        sync_steps = getattr(engine.optimizer, "sync_steps", None)
+        if sync_steps is not None:  # state[p]["step"] from the counters just set
+            sync_steps()
         handles = [h for g in engine.groups for h in g.gather()]
         for h in handles:
             h.wait()

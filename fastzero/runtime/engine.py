@@ -496,6 +496,9 @@ class Engine(torch.nn.Module):
             for key, t in state.items():
                 if isinstance(t, Tensor) and t.dim() > 0:
                     out["master" if key == "master_param" else "optimizer"] += nbytes(t)
+        masters = getattr(self.optimizer, "master_bytes", None)
+        if masters is not None and offloaded is None:  # a client optimizer: its masters are not in its state
+            out["master"] += masters()
         return out
 
     @contextlib.contextmanager

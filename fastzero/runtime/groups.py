@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -35,7 +35,8 @@ from torch import Tensor
 from fastzero.comm import Handle
 from fastzero.runtime.optimizer_builder import param_state
 
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")  # what a piece carries: fp32, hi - lo elements each
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")  # what an Adam-family piece carries: fp32, hi - lo elements each
+SCALAR_KEYS = ("step",)  # state that is one value per tensor, never per element, whatever the tensor's shape
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,17 @@ class Piece:
 @dataclass
 class PieceState:
     """The state of elements ``[lo, hi)`` of logical param `name`:
-    `tensors` maps each of :data:`STATE_KEYS` to ``hi - lo`` elements (views
-    of the live state from :meth:`ZeroGroup.pieces_out`)."""
+    `tensors` maps ``master`` and each per-element state of the optimizer
+    (:data:`STATE_KEYS` for the Adam family; ``momentum_buffer``, ``sum``,
+    ``square_avg``... for others) to ``hi - lo`` elements (views of the live
+    state from :meth:`ZeroGroup.pieces_out`); `scalars` the state that is one
+    value for the whole optimizer tensor (``step``), kept as it is."""
 
     name: str
     lo: int
     hi: int
     tensors: dict[str, Tensor]
+    scalars: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -148,14 +153,18 @@ class ZeroGroup(Protocol):
         return None
 
     def pieces_out(self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor]) -> list[PieceState]:
-        """Pieces out: the fp32 master, exp_avg and exp_avg_sq of each owned
-        piece, as views of the live state (created as the first step would
-        create it when no step has run)."""
+        """Pieces out: the fp32 master and every per-element state tensor of
+        each owned piece, as views of the live state (Adam's created as the
+        first step would create it when no step has run), and the scalar state
+        of its optimizer tensor."""
         out = []
         for piece in self.owned(opt_params):
-            state = _flat_state(optimizer, piece.opt_param)
+            live = param_state(optimizer, piece.opt_param)
+            # fastzero's fused optimizers: state["step"] mirrors the group's counter, which the manifest keeps
+            scalars = {} if getattr(optimizer, "group_steps", False) else _scalars(live)
+            state = _flat_state(live, piece.opt_param)
             window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
-            out.append(PieceState(piece.name, piece.lo, piece.hi, {k: v[window] for k, v in state.items()}))
+            out.append(PieceState(piece.name, piece.lo, piece.hi, {k: v[window] for k, v in state.items()}, scalars))
         return out
 
     def pieces_in(
@@ -163,20 +172,33 @@ class ZeroGroup(Protocol):
         optimizer: torch.optim.Optimizer,
         opt_params: list[Tensor],
         saved: Mapping[str, Sequence[PieceState]],
-        keys: Sequence[str] = STATE_KEYS,
+        keys: Sequence[str] | None = None,
     ) -> None:
-        """Pieces in: copies `keys` of the `saved` pieces (by param name, any
-        split; together they must cover what this rank owns) into the owned
-        pieces, then each low-precision param from its master."""
+        """Pieces in: copies the `saved` pieces (by param name, any split;
+        together they must cover what this rank owns) into the owned pieces,
+        then each low-precision param from its master. `keys` None: the whole
+        state as saved (each optimizer tensor's state becomes the saved keys:
+        one it lacks is created, one the save lacks is dropped, the scalars
+        are the saved ones); else only those keys (``("master",)``: the
+        weights)."""
         with torch.no_grad():
+            reset: set[int] = set()  # the optimizer tensors whose state was made the saved keys
             for piece in self.owned(opt_params):
-                state = _flat_state(optimizer, piece.opt_param)
-                for src in saved.get(piece.name, ()):
+                live = param_state(optimizer, piece.opt_param)
+                sources = [s for s in saved.get(piece.name, ()) if max(piece.lo, s.lo) < min(piece.hi, s.hi)]
+                if keys is None and sources and id(piece.opt_param) not in reset:
+                    reset.add(id(piece.opt_param))
+                    _reset_state(live, piece.opt_param, sources[0])
+                state = _flat_state(live, piece.opt_param)
+                for src in sources:
                     lo, hi = max(piece.lo, src.lo), min(piece.hi, src.hi)
-                    if lo >= hi:
-                        continue
                     dst = slice(piece.offset + lo - piece.lo, piece.offset + hi - piece.lo)
-                    for key in keys:
+                    for key in src.tensors if keys is None else keys:
+                        if key not in state:  # a key another saved piece of this tensor lacked
+                            live[key] = torch.zeros_like(
+                                state["master"].view_as(live.get("master_param", piece.opt_param))
+                            )
+                            state = _flat_state(live, piece.opt_param)
                         state[key][dst].copy_(src.tensors[key][lo - src.lo : hi - src.lo])
                 master = state["master"]
                 if master.data_ptr() != piece.opt_param.data_ptr():  # low precision: the param from its master
@@ -217,16 +239,64 @@ class ZeroGroup(Protocol):
                     master.reshape(-1)[window].copy_(src)
 
 
-def _flat_state(optimizer: torch.optim.Optimizer, opt_param: Tensor) -> dict[str, Tensor]:
-    """:data:`STATE_KEYS` of one optimizer tensor, flattened (the master is
-    the tensor itself when it is fp32 already)."""
-    state = param_state(optimizer, opt_param)
-    master = state.get("master_param", opt_param)
-    return {
-        "master": master.reshape(-1),
-        "exp_avg": state["exp_avg"].reshape(-1),
-        "exp_avg_sq": state["exp_avg_sq"].reshape(-1),
-    }
+def _is_scalar(key: str, value: Any, opt_param: Tensor) -> bool:
+    """Whether a state entry is one value for the whole tensor (``step``, a
+    number, a 0-d tensor of a tensor that is not 0-d itself)."""
+    if key in SCALAR_KEYS or not isinstance(value, Tensor):
+        return True
+    return value.dim() == 0 and opt_param.dim() > 0
+
+
+def _flat_state(state: dict, opt_param: Tensor) -> dict[str, Tensor]:
+    """The master (the tensor itself when it is fp32 already) and every
+    per-element state tensor of one optimizer tensor, flattened. State of
+    another size cannot follow the elements to another layout: refused."""
+    out = {"master": state.get("master_param", opt_param).reshape(-1)}
+    for key, value in state.items():
+        if key == "master_param" or _is_scalar(key, value, opt_param):
+            continue
+        if value.numel() != opt_param.numel():
+            raise ValueError(
+                f"optimizer state {key!r} has shape {tuple(value.shape)}, not one value per element of its param "
+                f"(shape {tuple(opt_param.shape)}): checkpoints split state by element across ranks, so this "
+                "optimizer's state cannot be saved"
+            )
+        out[key] = value.reshape(-1)
+    return out
+
+
+def _scalars(state: dict) -> dict[str, Any]:
+    """The scalar state of one optimizer tensor, detached copies (on the CPU)."""
+    out = {}
+    for key, value in state.items():
+        if key == "master_param" or isinstance(value, Tensor) and value.dim() > 0:
+            continue
+        out[key] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
+    return out
+
+
+def _reset_state(live: dict, opt_param: Tensor, src: PieceState) -> None:
+    """`live` (one optimizer tensor's state) made to hold exactly the saved
+    keys: per-element tensors it lacks are created (fp32, zeros, beside the
+    master: filled by the copies that follow), those the save lacks dropped,
+    the scalars set."""
+    master = live.get("master_param", opt_param)
+    for key in [k for k, v in live.items() if k != "master_param" and not _is_scalar(k, v, opt_param)]:
+        if key not in src.tensors:
+            del live[key]
+    for key in src.tensors:
+        if key != "master" and key not in live:
+            live[key] = torch.zeros_like(master, dtype=torch.float32, memory_format=torch.contiguous_format)
+    for key in [k for k, v in live.items() if k != "master_param" and _is_scalar(k, v, opt_param)]:
+        if key not in src.scalars:
+            del live[key]
+    for key, value in src.scalars.items():
+        current = live.get(key)
+        if isinstance(value, Tensor):  # where and in what dtype the optimizer keeps it (torch: a CPU fp32 step)
+            like = current if isinstance(current, Tensor) else value
+            live[key] = value.detach().to(device=like.device, dtype=like.dtype).clone()
+        else:
+            live[key] = value
 
 
 @runtime_checkable

@@ -7,6 +7,14 @@ The step runs in chunks, pipelined with the transfers: while chunk k is
 updated, chunk k+1's gradients come to the CPU and chunk k-1's params go
 back to the device (a side CUDA stream on GPUs; a copy thread when the
 "device" is the CPU, so the same path runs and is tested on CPU machines).
+
+Staging: the grads come into a CPU buffer (and, with bf16/fp16 params, the
+param copy the kernel writes goes out of one). When the shard holds more
+than ``sub_group_size`` elements, those are two rotating buffers of at most
+``sub_group_size // 2`` elements each (the piece being updated and the one in
+flight), so staging is bounded by ``sub_group_size`` elements per kind; else
+one buffer the size of each tensor. The update is elementwise: any cut gives
+the same bits.
 """
 
 from __future__ import annotations
@@ -60,7 +68,15 @@ class OffloadedAdam(CPUAdam):
     brings the grads over, updates the masters and writes the device
     tensors back, chunk by chunk."""
 
-    def __init__(self, params, *, pin_memory: bool = False, chunk: int | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        params,
+        *,
+        pin_memory: bool = False,
+        chunk: int | None = None,
+        sub_group_size: int = 1_000_000_000,
+        **kwargs,
+    ) -> None:
         groups = list(params)
         groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
         self.pin = pin_memory and torch.cuda.is_available()  # pinning needs CUDA
@@ -80,10 +96,17 @@ class OffloadedAdam(CPUAdam):
         self.transfers = Transfers(first.grad.device if first.grad is not None else first.device)
         self.dtype = first.dtype
         # staging on the CPU: the grads that come in, and (low precision) the param copy the kernel writes
-        self.grad_in = {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
-        self.param_out = (
-            None if first.dtype == torch.float32 else {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
-        )
+        total = sum(m.numel() for m in self.device_of)
+        self.ring = total > sub_group_size  # rotating buffers of a piece each (see the module's docstring)
+        self.piece_cap = max(1, sub_group_size // 2) if self.ring else None
+        low = first.dtype != torch.float32
+        if self.ring:
+            slot = lambda: torch.empty(self.piece_cap, dtype=first.dtype, pin_memory=self.pin)
+            self.grad_in = [slot(), slot()]
+            self.param_out = [slot(), slot()] if low else None
+        else:
+            self.grad_in = {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of}
+            self.param_out = {m: _cpu_buffer(m, first.dtype, self.pin) for m in self.device_of} if low else None
 
     def sync_device_params(self) -> None:
         """The device tensors from the masters (after a checkpoint load)."""
@@ -94,28 +117,37 @@ class OffloadedAdam(CPUAdam):
     def step(self, closure=None, *, grad_scale: float | None = None, found_inf=None):
         if found_inf is not None and bool(found_inf):
             return None
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             hp = AdamHyperparams.from_group(group)  # checks them too
             total = sum(m.numel() for m in group["params"])
             chunk = self.chunk or min(CHUNK, max(MIN_CHUNK, -(-total // PIECES)))
+            if self.ring:
+                chunk = min(chunk, self.piece_cap)
             pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"] for lo in range(0, m.numel(), chunk)]
             if not pieces:
                 continue
             group["step"] = int(group.get("step", 0)) + 1
 
-            def fetch(piece):
-                m, lo, hi = piece
-                return self.transfers.copy(self.grad_in[m][lo:hi], self.device_of[m].grad.reshape(-1)[lo:hi])
+            def staged(buffers, k: int, m: Tensor, lo: int, hi: int) -> Tensor:
+                return buffers[k % 2][: hi - lo] if self.ring else buffers[m][lo:hi]
 
-            incoming, outgoing = fetch(pieces[0]), []
+            def fetch(k: int, pieces=pieces):
+                m, lo, hi = pieces[k]
+                return self.transfers.copy(
+                    staged(self.grad_in, k, m, lo, hi), self.device_of[m].grad.reshape(-1)[lo:hi]
+                )
+
+            incoming, outgoing = fetch(0), []
             for k, (m, lo, hi) in enumerate(pieces):
-                following = fetch(pieces[k + 1]) if k + 1 < len(pieces) else None
+                following = fetch(k + 1) if k + 1 < len(pieces) else None
                 self.transfers.wait(incoming)
+                if self.ring and k >= 2:  # this piece's out buffer was piece k-2's: its copy must be done
+                    self.transfers.wait(outgoing[k - 2])
                 state = self.init_state(m)
-                copies = None if self.param_out is None else [self.param_out[m][lo:hi]]
+                copies = None if self.param_out is None else [staged(self.param_out, k, m, lo, hi)]
                 cpu_adam_step(
                     [m[lo:hi]],
-                    [self.grad_in[m][lo:hi]],
+                    [staged(self.grad_in, k, m, lo, hi)],
                     [state["exp_avg"][lo:hi]],
                     [state["exp_avg_sq"][lo:hi]],
                     step=group["step"],
@@ -128,10 +160,12 @@ class OffloadedAdam(CPUAdam):
                 incoming = following
             for handle in outgoing:
                 self.transfers.wait(handle)
+            self._publish_step(gi, group)
         return None
 
     def offloaded_bytes(self) -> dict[str, int]:
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         states = [t for s in self.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0]
-        staging = [*self.grad_in.values(), *(self.param_out or {}).values()]
+        listed = lambda b: list(b.values()) if isinstance(b, dict) else list(b or ())
+        staging = [*listed(self.grad_in), *listed(self.param_out)]
         return {"master": nbytes(self.device_of), "optimizer": nbytes(states), "staging": nbytes(staging)}

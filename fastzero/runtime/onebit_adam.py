@@ -118,6 +118,8 @@ class OneBitAdam(OneBitBase, FusedAdam):
                     self._compressed_step(gi, group, t, scale, self.comm)
         stepped = compressing or any(p.grad is not None for g in self.param_groups for p in g["params"])
         self._steps_cache = (t, self._step_objects()) if stepped else None  # a warm-up step without grads is none
+        if compressing:
+            self.sync_steps()  # state[p]["step"]: the compressed step advanced the counters itself
         return loss
 
     def _compressed_step(self, gi: int, group: dict, t: int, scale: float, comm) -> None:

@@ -3,15 +3,21 @@ rank updates (the model's params at stage 0, its shard's chunks above), built
 from the config's ``optimizer`` section or from the optimizer the script
 passed (torch.optim.Adam/AdamW and fastzero's own are taken over with their
 hyperparameters, so a script switches without edits). Which optimizer works
-with which stage and with offload is :data:`fastzero.config.OPTIMIZER_RULES`."""
+with which stage and with offload is :data:`fastzero.config.OPTIMIZER_RULES`.
+Any other ``torch.optim.Optimizer`` runs unfused over the rank's fp32 master
+shard (:mod:`fastzero.runtime.client_optimizer`), with DeepSpeed's
+``zero_allow_untested_optimizer`` and ``zero_force_ds_cpu_optimizer``."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
 
-from fastzero.config import Config, ConfigError, ConfigNotSupported, check_optimizer
+from fastzero.config import Config, ConfigError, check_optimizer
 from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
+from fastzero.runtime.client_optimizer import ClientOptimizer
 from fastzero.runtime.offload import OffloadedAdam
 from fastzero.runtime.onebit_adam import OneBitAdam
 from fastzero.runtime.onebit_lamb import OneBitLamb
@@ -52,9 +58,10 @@ _CLASSES = {
 }
 
 
-def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]]:
+def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]] | None:
     """(optimizer name, constructor kwargs, per-group hyperparameters) that
-    reproduce `client`'s math."""
+    reproduce `client`'s math with a fused optimizer, or None: it runs as it is
+    (:class:`ClientOptimizer`)."""
     groups = client.param_groups
     if isinstance(client, OneBitAdam):
         kwargs = dict(freeze_step=client.freeze_step, max_grad_norm=client.max_grad_norm)
@@ -72,19 +79,51 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]]:
     if isinstance(client, (FusedAdam, CPUAdam)):
         return "Adam", {}, [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
     if type(client) in (torch.optim.Adam, torch.optim.AdamW):
+        if any(g.get(key) for g in groups for key in ("amsgrad", "maximize")):
+            return None  # the fused Adam does not implement them: torch's own Adam runs
         adamw = isinstance(client, torch.optim.AdamW) or bool(client.defaults.get("decoupled_weight_decay"))
-        for gi, g in enumerate(groups):
-            for key in ("amsgrad", "maximize"):
-                if g.get(key):
-                    raise ConfigNotSupported(
-                        f"{type(client).__name__}({key}=True) in param group {gi}: fastzero's "
-                        f"fused Adam does not implement {key}"
-                    )
         keep = ("lr", "betas", "eps", "weight_decay")
         return "AdamW" if adamw else "Adam", {}, [dict({k: g[k] for k in keep}, adamw_mode=adamw) for g in groups]
-    raise ConfigNotSupported(
-        f"optimizer={type(client).__name__}: the engine runs fastzero's fused kernels over its shards and takes "
-        "torch.optim.Adam/AdamW, fastzero.ops.FusedAdam/CPUAdam/FusedLamb, or the config's optimizer section"
+    return None
+
+
+_warned_untested: set[str] = set()  # class names warned about, once per process as DeepSpeed does
+
+
+def _client_optimizer(
+    cfg: Config, client: torch.optim.Optimizer, groups: list[dict], master_weights: bool
+) -> ClientOptimizer:
+    """`client` rebuilt over the shard, under DeepSpeed's rules: at stages
+    1-3 only with ``zero_allow_untested_optimizer``, with offload only with
+    ``zero_force_ds_cpu_optimizer: false``."""
+    zero, name = cfg.zero_optimization, type(client).__name__
+    if zero.stage >= 1 and not cfg.zero_allow_untested_optimizer:
+        raise ConfigError(
+            f"optimizer={name} at zero_optimization.stage {zero.stage}: fastzero has no fused kernel for it and would "
+            "run it unfused over each rank's fp32 shard, untested for this class; set "
+            "zero_allow_untested_optimizer: true to run it (DeepSpeed's key), or use Adam/AdamW"
+        )
+    offload = zero.offload_optimizer
+    if offload.device == "cpu" and cfg.zero_force_ds_cpu_optimizer:
+        raise ConfigError(
+            f"optimizer={name} with zero_optimization.offload_optimizer: the offloaded step is fastzero's CPU Adam "
+            "(zero_force_ds_cpu_optimizer is true, DeepSpeed's default); set zero_force_ds_cpu_optimizer: false to "
+            f"run {name} itself on the rank's CPU shard, or use Adam/AdamW"
+        )
+    if zero.stage >= 1 and name not in _warned_untested:
+        _warned_untested.add(name)
+        warnings.warn(
+            f"optimizer={name}: not one fastzero takes over; it runs unfused over each rank's fp32 shard "
+            "(zero_allow_untested_optimizer: true)",
+            stacklevel=4,
+        )
+    return ClientOptimizer(
+        client,
+        groups,
+        master_weights=master_weights,
+        offload=offload.device == "cpu",
+        pin_memory=offload.pin_memory,
+        sub_group_size=zero.sub_group_size,
     )
 
 
@@ -109,7 +148,12 @@ def build_optimizer(
             raise ConfigError(f"optimizer={client!r}: pass a torch.optim.Optimizer or a callable(params) -> one")
         client = client([{**g, "params": g["params"]} for g in groups])
     if client is not None:
-        name, kwargs, hypers = _from_client(client)
+        taken = _from_client(client)
+        if taken is None:
+            return _client_optimizer(
+                cfg, client, [{**g, "params": p} for g, p in zip(groups, shard_params)], master_weights
+            )
+        name, kwargs, hypers = taken
     elif not opt.type:
         raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass optimizer= to initialize()")
     else:
@@ -129,5 +173,7 @@ def build_optimizer(
     if offload.device == "cpu":  # OPTIMIZER_RULES allows it for the Adam family only: CPUAdam's math
         if "adam_w_mode" in kwargs:
             kwargs["adamw_mode"] = kwargs.pop("adam_w_mode")
-        return OffloadedAdam(groups, pin_memory=offload.pin_memory, **kwargs)
+        return OffloadedAdam(
+            groups, pin_memory=offload.pin_memory, sub_group_size=cfg.zero_optimization.sub_group_size, **kwargs
+        )
     return cls(groups, master_weights=master_weights, **kwargs)

@@ -189,13 +189,13 @@ def test_take_timers_reads_the_phase_times_and_restarts_them():
     assert engine.take_timers() == dict.fromkeys(times, 0.0)
 
 
-def test_unsupported_client_optimizer_is_refused():
+def test_untested_client_optimizer_is_refused_at_stage_1_without_deepspeeds_key():
     model = make_model()
-    with pytest.raises(ConfigNotSupported, match="SGD"):
+    with pytest.raises(ConfigError, match="SGD at zero_optimization.stage 1.*zero_allow_untested_optimizer: true"):
         fastzero.initialize(
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            config={"train_micro_batch_size_per_gpu": 8},
+            config={"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}},
         )
 
 
