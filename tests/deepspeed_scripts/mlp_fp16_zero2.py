@@ -46,7 +46,18 @@ def main():
         args=args, model=model, optimizer=optimizer, model_parameters=model.parameters(), training_data=dataset()
     )
     rank = deepspeed.comm.get_rank()
+
+    def evaluate() -> float:
+        """The loss over the whole data set (the engine in eval mode, no grads)."""
+        engine.eval()
+        with torch.no_grad():
+            x, y = dataset()[:]
+            loss = torch.nn.functional.mse_loss(engine(x).float(), y).item()
+        engine.train()
+        return loss
+
     record = dict(scales=[], applied=[], norms=[], lrs=[], losses=[])
+    record["eval_before"] = evaluate()
     data = iter(deepspeed.utils.RepeatingLoader(loader))
     for _ in range(args.steps * engine.gradient_accumulation_steps()):
         x, y = next(data)
@@ -60,6 +71,7 @@ def main():
             record["lrs"].append(scheduler.get_last_lr()[0] if scheduler is not None else None)
             record["losses"].append(loss.item())
 
+    record["eval_after"] = evaluate()
     state = engine.state_dict()
     bare = make_model().half()
     bare.load_state_dict(state)  # the engine's state dict is the model's
