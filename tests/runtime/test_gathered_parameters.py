@@ -234,6 +234,42 @@ def test_offloaded_masters_are_refreshed_too(tmp_path, stage):
         assert (w.float() - values).abs().max() < 0.05  # one step of lr 1e-2 from the edit
 
 
+@pytest.mark.parametrize("stage", [3, 2, 0])
+def test_refresh_from_module_after_a_state_dict_is_loaded_into_the_params(tmp_path, stage):
+    """Inside engine.gathered(): the masters become the loaded values, the Adam state stays."""
+    engine, *_ = fastzero.initialize(model=make_model(), config=engine_config(stage, "bf16", 1))
+    train_steps(engine, range(1), rank=0, world=1)
+    torch.manual_seed(11)
+    other = torch.nn.Sequential(
+        torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 17), torch.nn.LayerNorm(17)
+    )
+    torch.nn.init.normal_(other[3].weight)
+    state = {n: bf16(t) for n, t in other.state_dict().items()}
+    adam = lambda: [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in engine.optimizer.state.values()]  # noqa: E731
+    before = adam()
+    with engine.gathered() as module:
+        module.load_state_dict(state)
+        engine.refresh_from_module()
+    engine.save_checkpoint(tmp_path, tag="after")
+    assert_equal(consolidate(tmp_path, "after"), state, f"stage {stage}")
+    for (m, v), (m2, v2) in zip(before, adam(), strict=True):
+        assert torch.equal(m, m2) and torch.equal(v, v2) and m.abs().sum() > 0
+    train_steps(engine, range(1, 2), rank=0, world=1)
+    with engine.gathered() as module:
+        for name, p in module.named_parameters():
+            assert (p.float() - state[name]).abs().max() < 0.05, name  # one step of lr 1e-2 from the loaded values
+
+
+def test_gathered_parameters_inside_engine_gathered_leaves_the_params_whole():
+    engine, *_ = fastzero.initialize(model=make_model(), config=engine_config(3, "bf16", 1))
+    w = engine.module[0].weight
+    with engine.gathered():
+        with zero.GatheredParameters(w):
+            pass
+        assert w.numel() == 65 * 33  # engine.gathered() gathered it: it releases it
+    assert w.numel() == 0
+
+
 def test_refresh_from_module_refuses_params_it_does_not_train_and_params_not_gathered():
     model = make_model()
     model[2].bias.requires_grad_(False)
