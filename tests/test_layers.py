@@ -1,5 +1,5 @@
 """Imports go down only (DESIGN.md, docs/architecture.md): native building
-and loading < ops < config < comm < runtime < entry points and CLIs < bench;
+and loading < ops < config < comm < parallel < runtime < entry points and CLIs < bench;
 inside the runtime, the checkpoint's files < its manifest < the rest (the
 engine, and checkpoint_io, which needs it).
 An AST walk over every module of the package (imports at any depth, and
@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("fastzero.ops",)),
     ("config", ("fastzero.config", "fastzero.config_keys")),
     ("comm", ("fastzero.comm",)),
+    ("parallel", ("fastzero.parallel",)),  # topology, tensor-parallel layers, activation checkpointing
     # the checkpoint's layers with no engine knowledge: the layout on disk, then the manifest
     ("checkpoint files", ("fastzero.runtime.checkpoint_files",)),
     ("checkpoint manifest", ("fastzero.runtime.checkpoint_manifest",)),
