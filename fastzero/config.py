@@ -221,21 +221,30 @@ OPTIMIZER_RULES: dict[str, OptimizerRule] = {
         offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
     ),
     "ZeroOneAdam": OptimizerRule(
-        stages=(0,),
-        stages_reason="its local steps need every rank to hold all params and their whole optimizer state, which "
-        "stages 1-3 partition; use stage 0, or OneBitAdam at stage 1",
+        stages=(0, 1),
+        stages_reason="after a variance step each rank needs its whole local gradient, which stages 2-3 reduce and "
+        "free during backward",
         offload=False,
         offload_reason="its compressed and local steps run where the params are, and the CPU step is Adam/AdamW's "
         "(CPUAdam)",
     ),
     "OneBitLamb": OptimizerRule(
-        stages=(0,),
-        stages_reason="its trust ratios and frozen scaling coefficients need each param whole, and stages 1-3 "
-        "partition them; use stage 0",
+        stages=(0, 1),
+        stages_reason="after freeze_step each rank needs its whole local gradient, which stages 2-3 reduce and free "
+        "during backward",
         offload=False,
         offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
     ),
 }
+
+
+def zero_one_adam_local_steps(clipper: int) -> str:
+    """Why ZeroOneAdam at stage 1 refuses local steps (the config check and the optimizer say the same)."""
+    return (
+        f"ZeroOneAdam at zero_optimization.stage 1 with local_step_clipper {clipper}: a local step updates every "
+        "param with the rank's own momentum and variance, which stage 1 partitions, so at stage 1 the ranks sync "
+        "(compressed) every step; set optimizer.params.local_step_clipper: 1 (no local steps), or use stage 0"
+    )
 
 
 def check_optimizer(name: str, stage: int, offload: bool) -> None:
@@ -702,6 +711,9 @@ def _check_combinations(cfg: Config) -> None:
         )
     if cfg.optimizer.type:
         check_optimizer(cfg.optimizer.type, zero.stage, offload=zero.offload_optimizer.device != "none")
+    clipper = cfg.optimizer.params.get("local_step_clipper", 1)
+    if cfg.optimizer.type == "ZeroOneAdam" and zero.stage == 1 and clipper != 1:
+        raise ConfigNotSupported(zero_one_adam_local_steps(clipper))
 
 
 class _Pairs(list):

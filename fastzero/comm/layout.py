@@ -95,3 +95,19 @@ class FlatLayout:
                 if a < z:
                     out.append(Segment(i, a - p_lo, z - p_lo, b.shard_start + a - lo))
         return out
+
+    def chunk_segments(self, rank: int) -> list[list[tuple[int, int, int]]]:
+        """Per bucket, the params in `rank`'s chunk: (param, start, stop) as
+        offsets in the chunk, so that an optimizer stepping the chunks can
+        work per param (LAMB's trust ratios)."""
+        out = []
+        for b in self.buckets:
+            lo, hi = b.owned(rank)
+            pieces = []
+            for i in self.order:
+                p_lo, p_hi = self.offsets[i], self.offsets[i] + self.numels[i]
+                a, z = max(lo, p_lo), min(hi, p_hi)
+                if a < z:
+                    pieces.append((i, a - lo, z - lo))
+            out.append(pieces)
+        return out

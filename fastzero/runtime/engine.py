@@ -169,7 +169,8 @@ class Engine(torch.nn.Module):
         )
         self.onebit = isinstance(self.optimizer, OneBitBase)  # the 1-bit family
         if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
-            self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0)
+            shards = None if self.stage == 0 else [g.shard_map() for g in self.groups]  # per-param math on chunks
+            self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0, shards=shards)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.loss_scaler = loss_scaler_from_config(cfg.fp16) if cfg.fp16.enabled else None
         self.optimizer.loss_scaler = self.loss_scaler  # DeepSpeed scripts read optimizer.cur_scale & co.

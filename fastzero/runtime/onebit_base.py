@@ -11,6 +11,7 @@ them nor divides them by the world size)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -60,11 +61,13 @@ class OneBitBase:
         # (gradient_clipping) itself; on its own the optimizer does those here.
         self._managed = False
         self._exchange_momentum = True  # False: grads arrive already compressed-averaged (the engine at stage 1)
+        # stage 1: per group, (model params, per shard chunk the (param, start, stop) it holds); None: params whole
+        self._shards: list[tuple[int, list[list[tuple[int, int, int]]]]] | None = None
         self._momentum: dict[int, Tensor] = {}  # group -> flat padded fp32 buffer; exp_avg are views of it
         self._errors: dict[int, tuple[Tensor, Tensor]] = {}  # group -> (worker error, server error)
         self._steps_cache: tuple[int, tuple] | None = None  # (steps done, _step_objects() then)
 
-    def attach_engine(self, comm: Comm, *, exchange_momentum: bool) -> None:
+    def attach_engine(self, comm: Comm, *, exchange_momentum: bool, shards=None) -> None:
         """Hands the collectives around the step to an engine that runs them
         itself over `comm`: it averages the uncompressed gradients, agrees on
         overflows (a skipped step is skipped everywhere) and clips by its
@@ -73,10 +76,46 @@ class OneBitBase:
         is exchanged compressed when `exchange_momentum` (ZeRO stage 0: each
         rank steps on its local gradient); with False the gradients arrive
         already compressed-averaged (stage 1's compressed reduce-scatter) and
-        the step is local."""
+        the step is local. `shards` (stage 1), per param group: the number of
+        model params and, per shard chunk the optimizer steps, the model
+        params it holds as (param, start, stop) in the chunk, for optimizers
+        that work per param (:meth:`segments`)."""
         self._group_comm = comm
         self._managed = True
         self._exchange_momentum = exchange_momentum
+        self._shards = None if shards is None else [(int(n), [list(c) for c in chunks]) for n, chunks in shards]
+
+    # -- per model param, whole or sharded -------------------------------------------
+    def model_params(self, gi: int) -> int:
+        """How many model params group `gi` steps (its trained tensors, or at stage 1 the params its chunks hold)."""
+        return len(trained(self.param_groups[gi])) if self._shards is None else self._shards[gi][0]
+
+    def segments(self, gi: int, tensors: list[Tensor]) -> list[tuple[int, Tensor]]:
+        """(model param, flat view) of every piece of `tensors` (one per
+        trained tensor of group `gi`, as its params or their state): each
+        whole tensor, or at stage 1 each param's piece of each chunk."""
+        if self._shards is None:
+            return [(i, t.reshape(-1)) for i, t in enumerate(tensors)]
+        return [(i, t.view(-1)[a:z]) for t, pieces in zip(tensors, self._shards[gi][1]) for i, a, z in pieces]
+
+    def per_param(self, gi: int, pieces: list[tuple[int, Tensor]], op: str, width: int = 1) -> list[float]:
+        """Per model param of group `gi`, the sum (`op` "sum") or max ("max")
+        over `pieces` of their one-element values, over every rank's pieces
+        at stage 1 (one tiny all-reduce). With `width` k, k quantities at
+        once: piece index j * params + i is quantity j of param i."""
+        n = self.model_params(gi) * width
+        out = torch.zeros(n, dtype=torch.float64) if op == "sum" else torch.full((n,), -math.inf, dtype=torch.float64)
+        if pieces:
+            index = torch.tensor([i for i, _ in pieces])
+            values = torch.stack([v.reshape(()) for _, v in pieces]).double().cpu()
+            if op == "sum":
+                out.index_add_(0, index, values)
+            else:
+                out.scatter_reduce_(0, index, values, "amax")
+        if self._shards is None or self.comm.world_size == 1:
+            return out.tolist()
+        reduce = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+        return self.comm.all_reduce_scalars(out.tolist(), op=reduce, tag="onebit_params")
 
     @property
     def comm(self) -> Comm:

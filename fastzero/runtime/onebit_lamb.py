@@ -144,8 +144,8 @@ class OneBitLamb(OneBitBase, FusedLamb):
         return self.steps_done >= self.freeze_step
 
     def _scalars(self, gi: int, key: str, default: float | None) -> list:
-        """Group `gi`'s per-trained-param list `key` (made with `default` when missing or stale)."""
-        group, n = self.param_groups[gi], len(trained(self.param_groups[gi]))
+        """Group `gi`'s per-model-param list `key` (made with `default` when missing or stale)."""
+        group, n = self.param_groups[gi], self.model_params(gi)
         values = group.get(key)
         if values is None or len(values) != n:
             values = [default] * n
@@ -161,20 +161,83 @@ class OneBitLamb(OneBitBase, FusedLamb):
             return loss  # an overflow on any rank: no rank steps, the errors stay as they are
         t = self.steps_done + 1
         if not compressing:
-            super().step(grad_scale=scale)  # LAMB without bias correction: FusedLamb's kernels
+            if self._shards is None:
+                super().step(grad_scale=scale)  # LAMB without bias correction: FusedLamb's kernels
+            else:  # stage 1: the trust ratios need norms over every rank's pieces of each param
+                for gi, group in enumerate(self.param_groups):
+                    if trained(group):
+                        self._sharded_lamb_step(gi, group, scale)
             for gi, group in enumerate(self.param_groups):
                 if trained(group):
                     self._follow_coeffs(gi, group, t)
             stepped = any(p.grad is not None for g in self.param_groups for p in g["params"])
         else:
-            if any(g.get("scaling_coeff") is None or None in g["scaling_coeff"] for g in self.param_groups):
+            if self._exchange_momentum and any(
+                g.get("scaling_coeff") is None or None in g["scaling_coeff"] for g in self.param_groups
+            ):
                 self._freeze_scaling()
             for gi, group in enumerate(self.param_groups):
                 if trained(group):
                     self._compressed_step(gi, group, scale)
             stepped = True
         self._steps_cache = (t, self._step_objects()) if stepped else None
+        if compressing or self._shards is not None:
+            self.sync_steps()  # state[p]["step"]: these steps advanced the counters themselves
         return loss
+
+    def _sharded_lamb_step(self, gi: int, group: dict, scale: float) -> None:
+        """A warm-up step at ZeRO stage 1: FusedLamb's math without bias
+        correction on this rank's chunks, each param's trust ratio from the
+        norms of all its pieces (summed over ranks)."""
+        params = trained(group)
+        states = [self.init_state(p) for p in params]
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        grads = [p.grad.float() / scale for p in params]
+        avgs, sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(avgs, beta1)
+        torch._foreach_add_(avgs, grads, alpha=1 - beta1)
+        torch._foreach_mul_(sqs, beta2)
+        torch._foreach_addcmul_(sqs, grads, grads, value=1 - beta2)
+        masters = [s.get("master_param", p) for s, p in zip(states, params)]
+        update = self._directions(states, masters, eps, wd)[1]
+        ratios = []
+        p_sq, u_sq = self._norms_squared(gi, masters, update)
+        for pn, un in zip(p_sq, u_sq):
+            r = 1.0 if pn == 0.0 or un == 0.0 else math.sqrt(pn) / math.sqrt(un)
+            ratios.append(1.0 if pn == 0.0 or un == 0.0 else min(max(r, group["min_coeff"]), group["max_coeff"]))
+        self._apply(gi, masters, update, [-lr * r for r in ratios])
+        self._finish(params, states, group)
+        self._coeffs[gi] = ratios
+
+    def _directions(self, states: list[dict], masters: list[Tensor], eps: float, wd: float):
+        """(sqrt(v) + eps, m / (sqrt(v) + eps) + wd p, m / (sqrt(v) + eps)) per tensor."""
+        denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+        torch._foreach_add_(denom, eps)
+        prelim = torch._foreach_div([s["exp_avg"] for s in states], denom)
+        update = torch._foreach_add(prelim, masters, alpha=wd) if wd > 0 else prelim
+        return denom, update, prelim
+
+    def _norms_squared(self, gi: int, *tensor_lists: list[Tensor]) -> list[list[float]]:
+        """Per model param, the squared L2 norm of each of `tensor_lists`
+        (over every rank's pieces at stage 1: one all-reduce for all)."""
+        n = self.model_params(gi)
+        pieces = [
+            (k * n + i, v.double().pow(2).sum()) for k, ts in enumerate(tensor_lists) for i, v in self.segments(gi, ts)
+        ]
+        sums = self.per_param(gi, pieces, "sum", width=len(tensor_lists))
+        return [sums[k * n : (k + 1) * n] for k in range(len(tensor_lists))]
+
+    def _apply(self, gi: int, masters: list[Tensor], update: list[Tensor], alphas: list[float]) -> None:
+        """p += alpha_i update, per model param i's pieces."""
+        for (i, m), (_, u) in zip(self.segments(gi, masters), self.segments(gi, update)):
+            m.add_(u, alpha=alphas[i])
+
+    def _finish(self, params: list[Tensor], states: list[dict], group: dict) -> None:
+        copies = [(p, s["master_param"]) for s, p in zip(states, params) if "master_param" in s]
+        if copies:
+            torch._foreach_copy_([p.data for p, _ in copies], [m for _, m in copies])
+        self._advance(group)
 
     def _follow_coeffs(self, gi: int, group: dict, t: int) -> None:
         """Warm-up: the EMA of each param's trust ratio; at freeze_step, v' starts as a copy of v."""
@@ -182,7 +245,10 @@ class OneBitLamb(OneBitBase, FusedLamb):
         self._scalars(gi, "last_factor", 1.0)
         coeffs = self._coeffs.get(gi)
         coeffs = coeffs.tolist() if isinstance(coeffs, Tensor) else list(coeffs or [])
-        stepped = [i for i, p in enumerate(trained(group)) if p.grad is not None]
+        if self._shards is None:
+            stepped = [i for i, p in enumerate(trained(group)) if p.grad is not None]
+        else:
+            stepped = list(range(self.model_params(gi)))  # the engine sets every chunk's grad
         for i, r in zip(stepped, coeffs):
             if r != 1.0:
                 ema[i] = self.coeff_beta * ema[i] + (1 - self.coeff_beta) * r
@@ -206,11 +272,15 @@ class OneBitLamb(OneBitBase, FusedLamb):
             self.param_groups[gi]["scaling_coeff"] = [united / r if r > 0 else 1.0 for r in group_rms]
 
     def _compressed_step(self, gi: int, group: dict, scale: float) -> None:
+        """After the freeze. At stage 0 each rank folds its local gradient
+        into the momentum, which is averaged compressed (scaled per param by
+        s_p); at stage 1 the gradient arrives compressed-averaged (the
+        engine's compressed reduce-scatter) and the momentum takes it as is.
+        The factors and norms are per model param, over every rank's pieces."""
         params = trained(group)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        scaling = self._scalars(gi, "scaling_coeff", 1.0)
         ema, last_factor = self._scalars(gi, "lamb_coeff_freeze", 0.0), self._scalars(gi, "last_factor", 1.0)
         momentum = self.momentum_buffer(gi)
         fresh = self.flat_state(gi, "exp_avg_sq_fresh", self._fresh)
@@ -220,37 +290,38 @@ class OneBitLamb(OneBitBase, FusedLamb):
         if with_grad:
             avgs, grads = zip(*with_grad)
             torch._foreach_add_(list(avgs), list(grads), alpha=(1 - beta1) / scale)
-        avgs = [s["exp_avg"] for s in states]
-        torch._foreach_mul_(avgs, scaling)
         if self._exchange_momentum:
+            avgs, scaling = [s["exp_avg"] for s in states], self._scalars(gi, "scaling_coeff", 1.0)
+            torch._foreach_mul_(avgs, scaling)
             worker, server = self.error_buffers(gi)
             compressed_allreduce(momentum, worker, server, self.comm, tag="onebit_lamb", out=momentum)
+            torch._foreach_div_(avgs, scaling)
         momentum[sum(p.numel() for p in params) :].zero_()  # the padding carries no momentum
-        torch._foreach_div_(avgs, scaling)
         self.mask_unseen(states, "exp_avg")
         estimate = (momentum - beta1 * previous) / (1 - beta1)  # the averaged gradient, reconstructed
         fresh.mul_(beta2).addcmul_(estimate, estimate, value=1 - beta2)
+        masters = [s.get("master_param", p) for s, p in zip(states, params)]
+        denom, update, prelim = self._directions(states, masters, eps, wd)
+        fresh_denom = torch._foreach_sqrt([s["exp_avg_sq_fresh"] for s in states])
+        torch._foreach_add_(fresh_denom, eps)
+        ratio = torch._foreach_div(denom, fresh_denom)
+        factors = self.per_param(gi, [(i, v.max()) for i, v in self.segments(gi, ratio)], "max")
+        if wd > 0:
+            u_sq, d_sq = self._norms_squared(gi, update, prelim)
         coeffs = []
-        for i, (p, st) in enumerate(zip(params, states)):
-            master = st.get("master_param", p)
-            denom = st["exp_avg_sq"].sqrt() + eps
-            prelim = st["exp_avg"] / denom
-            update = prelim + wd * master if wd > 0 else prelim
-            factor = float((denom / (st["exp_avg_sq_fresh"].sqrt() + eps)).max())
+        for i, factor in enumerate(factors):
             if wd > 0:
-                norm = float(update.pow(2).sum().sqrt())
-                ratio = min(1.0, float(prelim.pow(2).sum().sqrt()) / norm) if norm > 0 else 1.0
-                factor = factor * ratio + (1.0 - ratio)
+                norm = math.sqrt(u_sq[i])
+                shrink = min(1.0, math.sqrt(d_sq[i]) / norm) if norm > 0 else 1.0
+                factor = factor * shrink + (1.0 - shrink)
             factor = min(max(factor, self.factor_min), self.factor_max)
             last = last_factor[i]
             factor = max(min(factor, last * (1 + self.factor_threshold)), last * (1 - self.factor_threshold))
             last_factor[i] = factor
             coeffs.append(ema[i] * factor)
-            master.add_(update, alpha=-lr * coeffs[-1])
-            if master is not p:
-                p.data.copy_(master)
+        self._apply(gi, masters, update, [-lr * c for c in coeffs])
+        self._finish(params, states, group)
         self._coeffs[gi] = coeffs
-        self._advance(group)
 
     # -- state -------------------------------------------------------------------------
     def _rank_state(self) -> dict:

@@ -148,6 +148,12 @@ class FlatGroup(CompressingGroup):
             out.append(chunk)
         return out
 
+    def shard_map(self) -> tuple[int, list[list[tuple[int, int, int]]]]:
+        """Stages 1-2: the number of params and, per chunk of
+        :meth:`optimizer_params`, the params it holds as (param, start, stop)
+        offsets in the chunk."""
+        return len(self.params), self.layout.chunk_segments(self.rank)
+
     def grads(self) -> Tensor:
         """This rank's reduced gradient (summed over ranks, not yet averaged)."""
         return self.flat_grad if self.stage == 0 else self.grad_shard

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from fastzero.comm import Comm, compressed_allreduce
+from fastzero.config import ConfigNotSupported, zero_one_adam_local_steps
 from fastzero.ops import FusedAdam
 from fastzero.runtime.onebit_base import OneBitBase, check_count, trained
 
@@ -154,6 +155,11 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
         self._synced: dict[int, Tensor] = {}  # group -> flat padded params at the last sync; synced_param are views
         self._lrs: dict[int, float] = {}  # group -> sum of lr since the last sync
 
+    def attach_engine(self, comm: Comm, *, exchange_momentum: bool, shards=None) -> None:
+        if not exchange_momentum and self.local_step_clipper != 1:
+            raise ConfigNotSupported(zero_one_adam_local_steps(self.local_step_clipper))
+        super().attach_engine(comm, exchange_momentum=exchange_momentum, shards=shards)
+
     def is_variance_step(self, t: int) -> bool:
         return is_variance_step(t, self.var_freeze_step, self.var_update_scaler)
 
@@ -180,7 +186,7 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
         for gi, group in enumerate(self.param_groups):
             if variance or not trained(group):
                 continue
-            if t <= self.var_freeze_step:
+            if t <= self.var_freeze_step or not self._exchange_momentum:  # stage 1 takes no local steps
                 self._momentum_step(gi, group, scale)
             else:
                 self._local_step(gi, group, t, scale)

@@ -193,8 +193,8 @@ def _cfg(stage=0, **params):
         (_cfg(bias_correction=True), ConfigNotSupported, "bias_correction = true: ZeroOneAdam's math has none"),
         (_cfg(var_freeze_step=0), ConfigError, "var_freeze_step = 0: must be >= 1"),
         (_cfg(local_step_clipper=0), ConfigError, "local_step_clipper = 0"),
-        (_cfg(stage=1), ConfigNotSupported, r"ZeroOneAdam works with zero_optimization.stage 0 \(stage is 1\)"),
-        (_cfg(stage=2), ConfigNotSupported, r"stage is 2"),
+        (_cfg(stage=1), ConfigNotSupported, r"stage 1 with local_step_clipper 16: .* set optimizer.params.local_step"),
+        (_cfg(stage=2), ConfigNotSupported, r"ZeroOneAdam works with zero_optimization.stage 0 or 1 \(stage is 2\)"),
         (  # offload: stage 0 has nothing partitioned to offload, and at stage 1 it is refused by name
             {**_cfg(), "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
             ConfigError,
@@ -203,7 +203,7 @@ def _cfg(stage=0, **params):
         (
             {**_cfg(), "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
             ConfigNotSupported,
-            r"ZeroOneAdam works with zero_optimization.stage 0 \(stage is 1\)",
+            r"ZeroOneAdam with offload_optimizer",
         ),
         (_cfg(var_freez_step=10), ConfigError, r"did you mean 'var_freeze_step'\?"),
     ],
@@ -286,3 +286,43 @@ def test_engine_checkpoint_resumes_the_same_run(tmp_path):
     after = [load("after", r) for r in range(2)]
     assert all(torch.equal(after[1]["params"][k], v) for k, v in after[0]["params"].items())
     assert after[0]["eval_loss"] <= 1.05 * load("straight")["eval_loss"]
+
+
+def test_stage_1_syncs_every_step_and_converges_like_adamw(tmp_path):
+    """At ZeRO stage 1 (local_step_clipper 1: no local steps, which would
+    need every rank's whole state): the variance steps are stage 0's AdamW,
+    the others take the compressed average of the gradients, the held-out
+    loss is within 25% of AdamW's (measured: +20%, against +6% at stage 0
+    syncing every step: one compression scale per chunk of gradients,
+    rather than of the smoother momenta, loses more), every rank holds the
+    same params, the state is partitioned, and a checkpoint resumes the
+    same run."""
+    steps, ckpt = 200, str(tmp_path / "ckpt")
+    params = dict(ENGINE, local_step_clipper=1)
+    runs = [
+        dict(name="adam", optimizer="AdamW", steps=steps, params=dict(bias_correction=False)),
+        dict(name="zo1", optimizer="ZeroOneAdam", stage=1, steps=steps, params=params, freeze=150),
+        dict(name="zo1_bf16", optimizer="ZeroOneAdam", stage=1, dtype="bf16", steps=steps, params=params, freeze=150),
+        dict(name="first", optimizer="ZeroOneAdam", stage=1, steps=160, params=params, save_at=160, save=ckpt),
+        dict(name="resumed", optimizer="ZeroOneAdam", stage=1, steps=steps, params=params, start=160, load=ckpt),
+    ]
+    load = _train(tmp_path, "stage1", runs)
+    adam = load("adam")
+    for run in ("zo1", "zo1_bf16"):
+        res = [load(run, r) for r in range(2)]
+        assert res[0]["eval_loss"] <= 1.25 * adam["eval_loss"], (run, res[0]["eval_loss"], adam["eval_loss"])
+        assert all(torch.equal(res[1]["params"][k], v) for k, v in res[0]["params"].items())
+    mem, numel = load("zo1")["memory"], load("zo1")["numel"]
+    assert mem["compression_errors"] > 0 and mem["optimizer"] < 0.6 * 2 * 4 * numel, (mem, numel)
+    for rank in range(2):
+        straight, resumed = load("zo1", rank), load("resumed", rank)
+        assert resumed["losses"] == straight["losses"][160:]
+        assert all(torch.equal(resumed["params"][k], v) for k, v in straight["params"].items())
+    # the first 2 steps are variance steps (I = 1): AdamW without bias correction on the averaged gradient
+    first = [
+        dict(name=n, optimizer=o, stage=st, steps=2, params=p)
+        for n, o, st, p in [("adam2", "AdamW", 1, dict(bias_correction=False)), ("zo2", "ZeroOneAdam", 1, params)]
+    ]
+    load = _train(tmp_path, "first", first)
+    for k, v in load("adam2")["params"].items():
+        torch.testing.assert_close(load("zo2")["params"][k], v, rtol=1e-6, atol=1e-7)
