@@ -31,8 +31,8 @@ from torch import Tensor
 from fastzero.parallel.groups import group_rank, group_size, tensor_group
 
 # torch 2.13 renamed the tensor collectives; older torch has only the old names (as fastzero.comm.collectives)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_dist_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_dist_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Gloo in older torch (and some dtypes there) has no reduce-scatter of one
 # tensor; the first failure switches to all-reduce + slice for the process.
@@ -83,7 +83,7 @@ def _gather(x: Tensor, dim: int, group, async_op: bool = False):
     # gather along dim 0 of the moved tensor, then move the dim back: one collective whatever the dim
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _all_gather(out, front, group=group, async_op=async_op)
+    work = _dist_all_gather(out, front, group=group, async_op=async_op)
 
     def finish() -> Tensor:
         return out.movedim(0, dim).contiguous()
@@ -105,8 +105,10 @@ def _reduce_scatter(x: Tensor, dim: int, group, what: str, async_op: bool = Fals
     if _native_reduce_scatter:
         out = torch.empty((chunk, *front.shape[1:]), dtype=x.dtype, device=x.device)
         try:
-            work = _reduce_scatter(out, front, group=group, async_op=async_op)
-        except (RuntimeError, NotImplementedError, ValueError):
+            work = _dist_reduce_scatter(out, front, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError) as e:
+            if "support" not in str(e).lower():  # a real failure, not a missing collective
+                raise
             _native_reduce_scatter = False
     if not _native_reduce_scatter:
         if front.data_ptr() == x.data_ptr():  # contiguous already: front is x itself, which must stay as it is
