@@ -22,6 +22,7 @@ Conv1D weight, so consolidating the slices gives the Conv1D weight back.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -56,6 +57,21 @@ class _GroupRef:
 
     def __deepcopy__(self, memo) -> _GroupRef:
         return self
+
+
+class _KeepsMarks(nn.Module):
+    """nn.Parameter's deepcopy drops Python attributes; these layers' copies
+    keep their params' marks (partition_dim, sequence_parallel, ...)."""
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        for name, p in self._parameters.items():
+            if p is not None:
+                new._parameters[name].__dict__.update(p.__dict__)
+        return new
 
 
 def _divide(size: int, world: int, stride: int, layer: str, name: str) -> int:
@@ -138,7 +154,7 @@ class _LinearWithGatheredInput(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(_KeepsMarks):
     """What the column and row layers share: the group, the layout, the init."""
 
     _name = ""
@@ -441,7 +457,7 @@ class RowParallelLinear(_ParallelLinear):
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_KeepsMarks):
     """nn.Embedding with its rows (the vocabulary) split: rank r holds rows
     ``[r V/tp, (r+1) V/tp)``. Each rank looks up the ids it owns, zeros the
     others, and the results are all-reduced (with ``sequence_parallel``,
