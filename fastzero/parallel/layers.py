@@ -125,6 +125,7 @@ class _LinearWithGatheredInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, dim):
         ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)
         return F.linear(_gather(x, dim, group), weight, bias)
 
@@ -132,25 +133,27 @@ class _LinearWithGatheredInput(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # under autocast the forward's matmul ran in another dtype than the saved tensors': compute in the grad's
+        w = weight.to(grad.dtype)
         grad_x = grad_w = grad_b = None
         if need_w:
             gather_work, gathered = _gather(x, ctx.dim, ctx.group, async_op=True)
         if need_x:
-            grad_total = grad.matmul(weight)
+            grad_total = grad.matmul(w)
         if need_w:
             gather_work.wait()
-            total = gathered()
+            total = gathered().to(grad.dtype)
         if need_x:
             what = "ColumnParallelLinear(sequence_parallel=True) backward"
             rs_work, scattered = _reduce_scatter(grad_total, ctx.dim, ctx.group, what, async_op=True)
         flat = grad.reshape(-1, grad.shape[-1])
         if need_w:
-            grad_w = flat.t().matmul(total.reshape(-1, total.shape[-1]))
+            grad_w = flat.t().matmul(total.reshape(-1, total.shape[-1])).to(weight.dtype)
         if need_b and ctx.has_bias:
-            grad_b = flat.sum(0)
+            grad_b = flat.sum(0).to(ctx.bias_dtype)
         if need_x:
             rs_work.wait()
-            grad_x = scattered()
+            grad_x = scattered().to(x.dtype)
         return grad_x, grad_w, grad_b, None, None
 
 

@@ -63,9 +63,16 @@ class Group:
         return torch.cat(chunks[self.rank :: self.size], dim)
 
 
-def check(name: str, got, want, exact: bool = False) -> None:
+def check(name: str, got, want, exact: bool = False, atol: float | None = None) -> None:
+    """Records a pair: equal (exact), within `atol`, or else at torch.testing's default tolerances."""
     assert name not in PAIRS, name
-    PAIRS[name] = (got.detach().clone(), want.detach().clone(), exact)
+    PAIRS[name] = (got.detach().clone(), want.detach().clone(), exact, atol)
+
+
+def bf16_atol(want: torch.Tensor) -> float:
+    """A bf16 result whose partial sums were rounded on each rank before the
+    sum: a few bf16 roundings (2^-8 relative) of the largest element."""
+    return 4 * 2.0**-8 * float(want.abs().max())
 
 
 def error(name: str, fn) -> None:
@@ -318,6 +325,27 @@ def run_sequence_parallel(g: Group) -> None:
     check("sequence_parallel/weight_only/out", got, g.piece(ref(x), -1))
     check("sequence_parallel/weight_only/grad_w", col.weight.grad, g.piece(ref.weight.grad, 0))
     check("sequence_parallel/weight_only/grad_b", col.bias.grad, g.piece(ref.bias.grad, 0))
+
+    # under autocast (bf16 matmuls, fp32 params): the same as nn.Linear under the same autocast
+    torch.manual_seed(57)
+    ref = nn.Linear(hidden, ffn)
+    torch.manual_seed(57)
+    col = ColumnParallelLinear(hidden, ffn, gather_output=False, sequence_parallel=True)
+    x = rnd(58, 2 * g.size, 3, hidden)
+    probe = rnd(59, 2 * g.size, 3, ffn)
+    xr, xt = leaf(x), leaf(g.piece(x, 0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(xr)
+        got = col(xt)
+    (want.float() * probe).sum().backward()
+    (got.float() * g.piece(probe, -1)).sum().backward()
+    for name, got_, want_ in (
+        ("out", got, g.piece(want, -1)),
+        ("grad_x", xt.grad, g.piece(xr.grad, 0)),
+        ("grad_w", col.weight.grad, g.piece(ref.weight.grad, 0)),
+        ("grad_b", col.bias.grad, g.piece(ref.bias.grad, 0)),
+    ):
+        check(f"sequence_parallel/autocast/{name}", got_, want_, atol=bf16_atol(want_))
 
 
 def run_cross_entropy(g: Group) -> None:
