@@ -25,6 +25,7 @@ from fastzero.parallel.sequence_parallel import (
     allreduce_sequence_parallel_grads,
     is_sequence_parallel,
     mark_sequence_parallel,
+    register_sequence_parallel_grad_hooks,
 )
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "mark_tensor_parallel",
     "reduce_from_tensor_group",
     "reduce_scatter_to_sequence_parallel_region",
+    "register_sequence_parallel_grad_hooks",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_group",
     "set_current",

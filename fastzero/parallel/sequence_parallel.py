@@ -6,7 +6,13 @@ bias, a RowParallelLinear's bias) is replicated across the tensor group but
 gets only its chunk's part of the grad on each rank. Those parts must be
 summed over the tensor group after backward and before the optimizer (and
 before any data-parallel reduction), as Megatron does for params marked
-``sequence_parallel``.
+``sequence_parallel``: :func:`allreduce_sequence_parallel_grads`, one
+collective per dtype, called after backward. Or, with no call to add to the
+training loop: :func:`register_sequence_parallel_grad_hooks` sums each
+marked param's grad during backward, before it is accumulated into
+``.grad``, so whatever reads the grad later (the optimizer, the engine's
+ZeRO reduction hooks, gradient accumulation) sees the sum; one small
+collective per param per backward.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils.hooks import RemovableHandle
 
 from fastzero.parallel.groups import group_size, tensor_group
 
@@ -70,3 +77,22 @@ def allreduce_sequence_parallel_grads(
             for g, summed in zip(same, _unflatten_dense_tensors(flat, same)):
                 g.copy_(summed)
     return len(grads)
+
+
+def register_sequence_parallel_grad_hooks(
+    params: nn.Module | Iterable[Tensor], group=None, *, topology=None, mpu=None
+) -> list[RemovableHandle]:
+    """Sums the grad of each marked param that requires grad over the tensor
+    group as backward produces it (a tensor hook: before it reaches
+    ``.grad``). Every rank of the group must register the same params.
+    Returns the handles (``handle.remove()`` undoes it)."""
+    group = tensor_group(group, topology=topology, mpu=mpu)
+    if group_size(group) == 1:
+        return []
+
+    def summed(grad: Tensor) -> Tensor:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    return [p.register_hook(summed) for p in _params(params) if is_sequence_parallel(p) and p.requires_grad]

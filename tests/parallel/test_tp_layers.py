@@ -23,6 +23,7 @@ from fastzero.parallel import (
     is_tensor_parallel,
     reduce_from_tensor_group,
     reduce_scatter_to_sequence_parallel_region,
+    register_sequence_parallel_grad_hooks,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_group,
     vocab_parallel_cross_entropy,
@@ -52,6 +53,7 @@ def required(world: int) -> set[str]:
         names |= {f"{mlp}/{k}" for k in grads}
     for dim in (0, 1):
         names |= {f"sequence_parallel/seq_dim={dim}/{k}" for k in (*grads, "ln_grad_w", "ln_grad_b", "summed")}
+    names |= {f"sequence_parallel/seq_dim=0/hooks/{k}" for k in (*grads, "ln_grad_w", "ln_grad_b", "hooked")}
     names |= {f"sequence_parallel/autocast/{k}" for k in ("out", "grad_x", "grad_w", "grad_b")}
     for ignore in (-100, 3):
         for smoothing in (0.0, 0.1):
@@ -163,6 +165,7 @@ def test_sequence_parallel_grads_are_left_alone_on_one_rank():
     row(torch.randn(2, 4)).sum().backward()
     assert allreduce_sequence_parallel_grads([ln, row]) == 1  # the row layer's bias
     assert torch.equal(ln.weight.grad, before)
+    assert register_sequence_parallel_grad_hooks(row) == []  # one rank: nothing to sum
 
 
 def test_copies_share_the_group():

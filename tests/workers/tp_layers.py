@@ -28,6 +28,7 @@ from fastzero.parallel import (
     mark_sequence_parallel,
     reduce_from_tensor_group,
     reduce_scatter_to_sequence_parallel_region,
+    register_sequence_parallel_grad_hooks,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_group,
     set_current,
@@ -278,10 +279,12 @@ def run_mlp(g: Group, tag: str = "", explicit: bool = True) -> None:
 
 
 def run_sequence_parallel(g: Group) -> None:
-    """LayerNorm -> column -> gelu -> row with the sequence split, against the unsharded block."""
+    """LayerNorm -> column -> gelu -> row with the sequence split, against the
+    unsharded block; the marked grads summed after backward, or (hooks) during
+    it, over two accumulated micro-batches."""
     hidden, ffn = 8, 4 * g.size
-    for dim in (0, 1):  # Megatron's [s, b, h], and [b, s, h]
-        name = f"sequence_parallel/seq_dim={dim}"
+    for dim, hooks in ((0, False), (1, False), (0, True)):  # Megatron's [s, b, h], and [b, s, h]
+        name = f"sequence_parallel/seq_dim={dim}" + ("/hooks" if hooks else "")
         torch.manual_seed(50)
         ref = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
         torch.manual_seed(50)
@@ -293,16 +296,21 @@ def run_sequence_parallel(g: Group) -> None:
                 p.add_(rnd(51, hidden))
                 q.add_(rnd(51, hidden))
         mark_sequence_parallel(ln)
+        if hooks:
+            handles = register_sequence_parallel_grad_hooks([ln, col, row])
+            check(f"{name}/hooked", torch.tensor([len(handles)]), torch.tensor([3]), exact=True)
         shape = (2 * g.size, 3, hidden) if dim == 0 else (3, 2 * g.size, hidden)
         x = rnd(52, *shape)
-        probe = rnd(53, *shape)
         xr, xt = leaf(x), leaf(g.piece(x, dim))
-        want = ref(xr)
-        (want * probe).sum().backward()
-        got = row(F.gelu(col(ln(xt))))
-        (got * g.piece(probe, dim)).sum().backward()
-        summed = allreduce_sequence_parallel_grads([ln, col, row])
-        check(f"{name}/summed", torch.tensor([summed]), torch.tensor([3]), exact=True)  # ln weight, bias; row bias
+        for micro in range(2 if hooks else 1):
+            probe = rnd(53 + micro, *shape)
+            want = ref(xr)
+            (want * probe).sum().backward()
+            got = row(F.gelu(col(ln(xt))))
+            (got * g.piece(probe, dim)).sum().backward()
+        if not hooks:
+            summed = allreduce_sequence_parallel_grads([ln, col, row])  # ln weight, bias; row bias
+            check(f"{name}/summed", torch.tensor([summed]), torch.tensor([3]), exact=True)
         check(f"{name}/out", got, g.piece(want, dim))
         check(f"{name}/grad_x", xt.grad, g.piece(xr.grad, dim))
         check(f"{name}/ln_grad_w", ln.weight.grad, ref[0].weight.grad)
