@@ -61,6 +61,7 @@ def required(world: int) -> set[str]:
                 names |= {
                     f"cross_entropy/ignore={ignore}/smoothing={smoothing}/{reduction}/{k}" for k in ("loss", "grad")
                 }
+    names |= {"cross_entropy/bf16/loss", "cross_entropy/bf16/grad", "cross_entropy/all_ignored"}
     for fn in ("copy_to", "reduce_from", "scatter_to", "gather_from"):
         names |= {f"{fn}/{dtype}/{d}" for dtype in ("float32", "bfloat16", "float16") for d in ("fwd", "bwd")}
     for how in ("native", "fallback"):

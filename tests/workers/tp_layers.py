@@ -387,6 +387,14 @@ def run_cross_entropy(g: Group) -> None:
                     (got * 1.7).backward()
                 check(f"{name}/loss", got, want)
                 check(f"{name}/grad", zt.grad, g.piece(zr.grad, -1))
+    # bf16 logits: the loss and grad in bf16, as F.cross_entropy's on the same values in fp32, rounded once
+    zr, zt = leaf(logits.bfloat16().float()), leaf(g.piece(logits, -1).bfloat16())
+    want = F.cross_entropy(zr.reshape(-1, vocab), target.reshape(-1), label_smoothing=0.1)
+    got = vocab_parallel_cross_entropy(zt, target, label_smoothing=0.1)
+    want.backward()
+    got.backward()
+    check("cross_entropy/bf16/loss", got, want.bfloat16())
+    check("cross_entropy/bf16/grad", zt.grad, g.piece(zr.grad, -1).bfloat16())
     # every target ignored: mean is 0/0 in PyTorch too
     t = torch.full((4, 5), -100)
     check(
