@@ -36,6 +36,14 @@ def init_distributed(*args, **kwargs):
     return _init(*args, **kwargs)
 
 
+def tp_model_init(*args, **kwargs):
+    """Shards a model for tensor parallelism (DeepSpeed's AutoTP training
+    entry): see :func:`fastzero.parallel.autotp.tp_model_init`."""
+    from fastzero.parallel.autotp import tp_model_init as _tp_model_init
+
+    return _tp_model_init(*args, **kwargs)
+
+
 # Submodules a DeepSpeed script reaches as attributes (``deepspeed.comm.get_rank()``,
 # ``deepspeed.zero.Init``, ``deepspeed.utils.RepeatingLoader``,
 # ``deepspeed.profiling.flops_profiler``), imported on first use so that
