@@ -31,7 +31,7 @@ def test_stride_3_gives_each_rank_its_heads_of_q_k_and_v():
 
 
 def test_moving_between_tensor_sizes():
-    full = torch.randn(12, 6)
+    full = torch.randn(36, 6)
     two, three = Split(0, 3, 2), Split(0, 3, 3)
     saved = [two.take(full, r) for r in range(2)]
     assert torch.equal(three.take(two.assemble(saved), 2), three.take(full, 2))
