@@ -128,10 +128,12 @@ class Comm:
         return Handle(dist.all_to_all_single(out, inp, group=self.group, async_op=True), event)
 
     def broadcast(self, t: Tensor, src: int = 0, tag: str = "") -> Handle:
+        """`src`'s `t` to every rank; `src` is a rank in this Comm's group (as :attr:`rank` is)."""
         event = self._event("broadcast", tag, t)
         if self._local():
             return Handle(None, event)
-        return Handle(dist.broadcast(t, src=src, group=self.group, async_op=True), event)
+        root = src if self.group is None else dist.get_global_rank(self.group, src)  # torch's src is global
+        return Handle(dist.broadcast(t, src=root, group=self.group, async_op=True), event)
 
     def all_reduce_scalars(self, values: list[float], op=dist.ReduceOp.SUM, tag: str = "") -> list[float]:
         """A few numbers summed (or max-ed) over ranks, in one small collective."""

@@ -10,5 +10,22 @@ from fastzero.parallel.groups import (
     set_current,
     tensor_group,
 )
+from fastzero.parallel.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    Topology,
+)
 
-__all__ = ["current", "data_group", "is_tensor_parallel", "mark_tensor_parallel", "set_current", "tensor_group"]
+__all__ = [
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+    "ProcessTopology",
+    "Topology",
+    "current",
+    "data_group",
+    "is_tensor_parallel",
+    "mark_tensor_parallel",
+    "set_current",
+    "tensor_group",
+]

@@ -1,0 +1,80 @@
+"""ZeRO over the data axis of a tensor 2 x data 2 topology (4 Gloo ranks):
+a hand-split Linear pair trains exactly as single-process AdamW on the
+unsplit model, at every stage, with gradient clipping; a Megatron-style mpu
+trains the same as the Topology; the loader splits over the data ranks; a
+non-finite gradient on one tensor rank skips the step everywhere."""
+
+import json
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.paths import WORKERS
+from tests.workers import train_tp as W
+
+STEPS = 6
+WORLD = 4
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def run(tmp_path, runs: list[dict]) -> list[list[dict]]:
+    for i, r in enumerate(runs):
+        r["out"] = str(tmp_path / f"run{i}")
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(runs))
+    run_ranks(WORKERS / "train_tp.py", WORLD, [spec], timeout=600)
+    return [[torch.load(f"{r['out']}.rank{k}.pt") for k in range(WORLD)] for r in runs]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    runs = [{"stage": s, "steps": STEPS} for s in (0, 1, 2, 3)]
+    runs += [{"stage": 2, "steps": STEPS, "mpu": True}, {"stage": 2, "steps": 3, "skip_at": 1}, {"sampler": True}]
+    return run(tmp, runs)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_matches_single_process_adamw(results, stage):
+    losses, norms, params = W.reference(STEPS)
+    assert all(n > W.CLIP for n in norms), "the test must clip every step"
+    for res in results[stage]:
+        tp, dp = res["tp_rank"], res["dp_rank"]
+        assert (res["dp_world_size"], res["mp_world_size"], res["world_size"]) == (2, 2, 4)
+        assert res["train_batch_size"] == W.MICRO * W.GAS * W.DP  # data ranks only
+        want = [losses[s][m][dp] for s in range(STEPS) for m in range(W.GAS)]
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want), **TOL)
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(norms), **TOL)
+        for name, (got, index) in W.full_view(res["params"], tp).items():
+            torch.testing.assert_close(got, params[name][index], **TOL, msg=lambda m, n=name: f"stage {stage} {n}: {m}")
+        # the gradients are reduced over the data group (2 ranks), never the world
+        assert res["grad_ops"] and all(size == 2 for _, size in res["grad_ops"]), res["grad_ops"]
+
+
+def test_mpu_trains_as_topology(results):
+    for topo, mpu in zip(results[2], results[4]):
+        assert mpu["losses"] == topo["losses"]
+        assert mpu["norms"] == topo["norms"]
+        for name, p in topo["params"].items():
+            assert torch.equal(mpu["params"][name], p), name
+
+
+def test_non_finite_on_one_tensor_rank_skips_everywhere(results):
+    # the NaN is in the replicated bias's gradient on tensor rank 1, whose replicated sum is not counted in the norm
+    for res in results[5]:
+        assert res["skipped"] == [False, True, False], (res["tp_rank"], res["dp_rank"], res["skipped"])
+    # and the ranks stay together: the replicas of a param agree across data ranks
+    by_tp = {}
+    for res in results[5]:
+        by_tp.setdefault(res["tp_rank"], []).append(res["params"])
+    for a, b in by_tp.values():
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_loader_splits_over_data_ranks(results):
+    indices = [results[6][k] for k in range(WORLD)]
+    # ranks 0, 1 are data rank 0 (tensor ranks 0, 1); ranks 2, 3 data rank 1
+    assert indices[0] == indices[1] and indices[2] == indices[3]
+    assert sorted(indices[0] + indices[2]) == list(range(24))
