@@ -787,8 +787,6 @@ def initialize(
     elif topology is not None:
         raise TypeError(f"initialize(topology=...) takes a fastzero.parallel.Topology, not {type(topology).__name__}")
     parallel = topology if topology is not None else mpu if mpu is not None else current()
-    if parallel is not None:
-        set_current(parallel)
     comm = Comm(data_group(mpu=parallel) if parallel is not None else None)  # the data-parallel ranks
     world = Comm()
     cfg = error = None
@@ -811,6 +809,8 @@ def initialize(
         comm=comm,
         mpu=parallel,
     )
+    if parallel is not None:
+        set_current(parallel)  # the parallel layers' default from now on
     loader = None
     if training_data is not None:
         sampler, drop_last = None, cfg.dataloader_drop_last  # drop the last, short micro-batch (DeepSpeed's key)

@@ -119,7 +119,7 @@ def test_groups_on_four_ranks(tmp_path):
     pipe_tp = {"tensor": [[0, 1], [2, 3]], "data": [[0], [1], [2], [3]], "pipe": [[0, 2], [1, 3]]}
     for rank in range(4):
         res = torch.load(f"{out}.rank{rank}.pt")
-        for name, want in (("tp_dp", tp_dp), ("pipe_tp", pipe_tp)):
+        for name, want in (("tp_dp", tp_dp), ("pipe_tp", pipe_tp), ("of_deepspeed", tp_dp)):
             for axis, lists in want.items():
                 ranks = next(r for r in lists if rank in r)
                 assert res[name][axis] == (ranks, ranks, float(sum(ranks))), (name, axis, rank)
@@ -138,3 +138,4 @@ def test_groups_on_four_ranks(tmp_path):
         assert "tensor x data x pipe = 2 but the world size is 4" in e[1]
         assert "tensor x data x pipe = 8 but the world size is 4" in e[2]
         assert "integers >= 1" in e[3]
+        assert "in another order than pipe, data, model" in e[4]

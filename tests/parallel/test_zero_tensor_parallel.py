@@ -32,6 +32,7 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     runs = [{"stage": s, "steps": STEPS} for s in (0, 1, 2, 3)]
     runs += [{"stage": 2, "steps": STEPS, "mpu": True}, {"stage": 2, "steps": 3, "skip_at": 1}, {"sampler": True}]
+    runs += [{"bad_mpu": True}]
     return run(tmp, runs)
 
 
@@ -78,3 +79,8 @@ def test_loader_splits_over_data_ranks(results):
     # ranks 0, 1 are data rank 0 (tensor ranks 0, 1); ranks 2, 3 data rank 1
     assert indices[0] == indices[1] and indices[2] == indices[3]
     assert sorted(indices[0] + indices[2]) == list(range(24))
+
+
+def test_an_mpu_whose_sizes_do_not_make_the_world_is_refused(results):
+    for message in results[7]:
+        assert "data-parallel size 4 x tensor size 2 != world size 4" in message, message

@@ -9,7 +9,14 @@ import torch
 import torch.distributed as dist
 
 import fastzero
-from fastzero.parallel import Topology, current, data_group, tensor_group
+from fastzero.parallel import (
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    Topology,
+    current,
+    data_group,
+    tensor_group,
+)
 
 
 def seen(topo: Topology) -> dict:
@@ -42,7 +49,8 @@ if __name__ == "__main__":
     out = {}
     tp_dp = Topology(tensor=2)  # data derived: 2
     pipe_tp = Topology(tensor=2, pipe=2)
-    out["tp_dp"], out["pipe_tp"] = seen(tp_dp), seen(pipe_tp)
+    of_deepspeed = Topology.of(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2))
+    out["tp_dp"], out["pipe_tp"], out["of_deepspeed"] = seen(tp_dp), seen(pipe_tp), seen(of_deepspeed)
     tp_dp.make_current()
     out["current"] = (
         current() is tp_dp,
@@ -56,5 +64,10 @@ if __name__ == "__main__":
             errors.append(None)
         except ValueError as exc:
             errors.append(str(exc))
+    try:  # model varies slowest here: not the layout Topology builds
+        Topology.of(ProcessTopology(["model", "data"], [2, 2]))
+        errors.append(None)
+    except ValueError as exc:
+        errors.append(str(exc))
     out["errors"] = errors
     torch.save(out, f"{sys.argv[1]}.rank{dist.get_rank()}.pt")

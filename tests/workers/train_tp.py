@@ -241,13 +241,30 @@ def sampler_indices(topo: Topology) -> list[int]:
     return [int(i) for (batch,) in loader for i in batch]
 
 
+class WorldDataMpu(HandMpu):
+    """Wrong on purpose: the whole world as the data group beside tensor groups of 2."""
+
+    def get_data_parallel_group(self):
+        return dist.group.WORLD
+
+
+def refused(mpu) -> str:
+    try:
+        fastzero.initialize(model=Split(0), config=config(1), mpu=mpu)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
 if __name__ == "__main__":
     fastzero.init_distributed()
     topo = Topology(tensor=TP, data=DP)
     mpu = HandMpu()
     runs = json.load(open(sys.argv[1]))
     for run in runs:
-        if run.get("sampler"):
+        if run.get("bad_mpu"):
+            torch.save(refused(WorldDataMpu()), f"{run['out']}.rank{dist.get_rank()}.pt")
+        elif run.get("sampler"):
             torch.save(sampler_indices(topo), f"{run['out']}.rank{dist.get_rank()}.pt")
         else:
             train(run, topo, mpu)
