@@ -94,6 +94,8 @@ class Init:
             init_distributed()
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        grouped = dist.is_initialized() and self.group is not None
+        self.ranks = dist.get_process_group_ranks(self.group) if grouped else list(range(self.world))
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 self._wrap(cls)
@@ -134,6 +136,7 @@ class Init:
                 src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
                 dist.broadcast(p.data, src, group=self.group)
             partition_param(p, self.world, self.rank)
+            p._fz_init_ranks = self.ranks  # the engine checks it partitions over the same ranks
 
     def __exit__(self, *exc) -> None:
         for cls, (name, original) in reversed(self._patched):

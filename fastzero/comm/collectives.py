@@ -81,6 +81,9 @@ class Comm:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        # the global ranks of the group, in group-rank order
+        self.ranks = dist.get_process_group_ranks(group) if self.distributed and group is not None else None
+        self.ranks = self.ranks or list(range(self.world_size))
         nccl = self.distributed and dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.record: deque[CommEvent] = deque(maxlen=record_limit)  # the latest collectives

@@ -18,25 +18,29 @@ WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def run(tmp_path, runs: list[dict]) -> list[list[dict]]:
-    for i, r in enumerate(runs):
-        r["out"] = str(tmp_path / f"run{i}")
-    spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps(runs))
-    run_ranks(WORKERS / "train_tp.py", WORLD, [spec], timeout=600)
-    return [[torch.load(f"{r['out']}.rank{k}.pt") for k in range(WORLD)] for r in runs]
+RUNS = {
+    **{s: {"stage": s, "steps": STEPS} for s in (0, 1, 2, 3)},
+    "init": {"stage": 3, "steps": STEPS, "init": True},
+    "mpu": {"stage": 2, "steps": STEPS, "mpu": True},
+    "skip": {"stage": 2, "steps": 3, "skip_at": 1},
+    "sampler": {"sampler": True},
+    "bad_mpu": {"bad_mpu": True},
+    "init_elsewhere": {"init_elsewhere": True},
+}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every run in one start of 4 ranks (starting them is most of the time)."""
     tmp = tmp_path_factory.mktemp("tp")
-    runs = [{"stage": s, "steps": STEPS} for s in (0, 1, 2, 3)]
-    runs += [{"stage": 2, "steps": STEPS, "mpu": True}, {"stage": 2, "steps": 3, "skip_at": 1}, {"sampler": True}]
-    runs += [{"bad_mpu": True}]
-    return run(tmp, runs)
+    runs = [dict(r, out=str(tmp / f"run{i}")) for i, r in enumerate(RUNS.values())]
+    spec = tmp / "runs.json"
+    spec.write_text(json.dumps(runs))
+    run_ranks(WORKERS / "train_tp.py", WORLD, [spec], timeout=600)
+    return {key: [torch.load(f"{r['out']}.rank{k}.pt") for k in range(WORLD)] for key, r in zip(RUNS, runs)}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "init"])  # init: stage 3, built under fastzero.zero.Init
 def test_matches_single_process_adamw(results, stage):
     losses, norms, params = W.reference(STEPS)
     assert all(n > W.CLIP for n in norms), "the test must clip every step"
@@ -54,7 +58,7 @@ def test_matches_single_process_adamw(results, stage):
 
 
 def test_mpu_trains_as_topology(results):
-    for topo, mpu in zip(results[2], results[4]):
+    for topo, mpu in zip(results[2], results["mpu"]):
         assert mpu["losses"] == topo["losses"]
         assert mpu["norms"] == topo["norms"]
         for name, p in topo["params"].items():
@@ -63,11 +67,11 @@ def test_mpu_trains_as_topology(results):
 
 def test_non_finite_on_one_tensor_rank_skips_everywhere(results):
     # the NaN is in the replicated bias's gradient on tensor rank 1, whose replicated sum is not counted in the norm
-    for res in results[5]:
+    for res in results["skip"]:
         assert res["skipped"] == [False, True, False], (res["tp_rank"], res["dp_rank"], res["skipped"])
     # and the ranks stay together: the replicas of a param agree across data ranks
     by_tp = {}
-    for res in results[5]:
+    for res in results["skip"]:
         by_tp.setdefault(res["tp_rank"], []).append(res["params"])
     for a, b in by_tp.values():
         for name in a:
@@ -75,12 +79,20 @@ def test_non_finite_on_one_tensor_rank_skips_everywhere(results):
 
 
 def test_loader_splits_over_data_ranks(results):
-    indices = [results[6][k] for k in range(WORLD)]
+    indices = results["sampler"]
     # ranks 0, 1 are data rank 0 (tensor ranks 0, 1); ranks 2, 3 data rank 1
     assert indices[0] == indices[1] and indices[2] == indices[3]
     assert sorted(indices[0] + indices[2]) == list(range(24))
 
 
+def test_a_model_partitioned_over_other_ranks_is_refused(results):
+    for rank, message in enumerate(results["init_elsewhere"]):
+        data = [0, 2] if rank % 2 == 0 else [1, 3]
+        assert f"over ranks [0, 1, 2, 3], but the engine partitions over its data-parallel group, ranks {data}" in (
+            message
+        ), message
+
+
 def test_an_mpu_whose_sizes_do_not_make_the_world_is_refused(results):
-    for message in results[7]:
+    for message in results["bad_mpu"]:
         assert "data-parallel size 4 x tensor size 2 != world size 4" in message, message

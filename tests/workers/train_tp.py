@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fastzero
+import fastzero.zero
 from fastzero.parallel import Topology, mark_tensor_parallel, tensor_group
 
 IN, HIDDEN, OUT = 9, 14, 5  # HIDDEN splits 7 + 7 across 2 tensor ranks
@@ -74,19 +75,23 @@ def rows_of(rank: int) -> slice:
 class Split(torch.nn.Module):
     """Full split by hand over the tensor group: fc1 by output rows
     (column-parallel), fc2 by input columns (row-parallel, its bias
-    replicated and added once after the sum), the LayerNorm replicated."""
+    replicated and added once after the sum), the LayerNorm replicated.
+    `shell`: the same params, left as built (to be loaded)."""
 
-    def __init__(self, tp_rank: int):
+    def __init__(self, tp_rank: int, shell: bool = False):
         super().__init__()
-        full, part = Full(), rows_of(tp_rank)
         self.fc1 = torch.nn.Linear(IN, HIDDEN // TP)
         self.fc2 = torch.nn.Linear(HIDDEN // TP, OUT, bias=False)
-        self.fc2_bias = torch.nn.Parameter(full.fc2.bias.detach().clone())
-        self.norm = full.norm
-        with torch.no_grad():
-            self.fc1.weight.copy_(full.fc1.weight[part])
-            self.fc1.bias.copy_(full.fc1.bias[part])
-            self.fc2.weight.copy_(full.fc2.weight[:, part])
+        self.fc2_bias = torch.nn.Parameter(torch.zeros(OUT))
+        self.norm = torch.nn.LayerNorm(OUT)
+        if not shell:
+            full, part = Full(), rows_of(tp_rank)
+            with torch.no_grad():
+                self.fc1.weight.copy_(full.fc1.weight[part])
+                self.fc1.bias.copy_(full.fc1.bias[part])
+                self.fc2.weight.copy_(full.fc2.weight[:, part])
+                self.fc2_bias.copy_(full.fc2.bias)
+                self.norm.load_state_dict(full.norm.state_dict())
         mark_tensor_parallel(self.fc1.weight, 0)
         mark_tensor_parallel(self.fc1.bias, 0)
         mark_tensor_parallel(self.fc2.weight, 1)
@@ -192,12 +197,20 @@ class HandMpu:
 def train(run: dict, topo: Topology, mpu: HandMpu) -> None:
     rank = dist.get_rank()
     tp_rank, dp_rank = topo.get_tensor_model_parallel_rank(), topo.get_data_parallel_rank()
-    model = Split(tp_rank)
+    if run.get("init"):  # partitioned over the current topology's data group as it is built, then loaded
+        topo.make_current()
+        with fastzero.zero.Init():
+            model = Split(tp_rank, shell=True)
+        assert all(p.numel() == 0 for p in model.parameters())
+    else:
+        model = Split(tp_rank)
     cfg = config(run["stage"])
     if run.get("skip_at") is not None:
         cfg["non_finite_grads"] = "skip"
     parallel = dict(mpu=mpu) if run.get("mpu") else dict(topology=topo)
     engine, *_ = fastzero.initialize(model=model, config=cfg, **parallel)
+    if run.get("init"):
+        engine.load_state_dict(Split(tp_rank).state_dict())
     losses, norms, skipped = [], [], []
     for step in range(run["steps"]):
         if run.get("skip_at") == step and tp_rank == 1:  # a NaN in a replicated param's grad on one tensor rank
@@ -248,6 +261,17 @@ class WorldDataMpu(HandMpu):
         return dist.group.WORLD
 
 
+def refused_init(topo: Topology) -> str:
+    """Built under zero.Init over the whole world, trained over the data group: refused by name."""
+    with fastzero.zero.Init(data_parallel_group=dist.group.WORLD):
+        model = Split(topo.get_model_parallel_rank(), shell=True)
+    try:
+        fastzero.initialize(model=model, config=config(3), topology=topo)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def refused(mpu) -> str:
     try:
         fastzero.initialize(model=Split(0), config=config(1), mpu=mpu)
@@ -262,7 +286,9 @@ if __name__ == "__main__":
     mpu = HandMpu()
     runs = json.load(open(sys.argv[1]))
     for run in runs:
-        if run.get("bad_mpu"):
+        if run.get("init_elsewhere"):
+            torch.save(refused_init(topo), f"{run['out']}.rank{dist.get_rank()}.pt")
+        elif run.get("bad_mpu"):
             torch.save(refused(WorldDataMpu()), f"{run['out']}.rank{dist.get_rank()}.pt")
         elif run.get("sampler"):
             torch.save(sampler_indices(topo), f"{run['out']}.rank{dist.get_rank()}.pt")
