@@ -73,6 +73,24 @@ class Handle:
             self._mark()
 
 
+def gloo_twin(group=None):
+    """A Gloo group of the same ranks as `group` (None: the world), for
+    host-side agreement that must not wait behind device collectives. Every
+    rank calls it: each learns every rank's group (one all-gather of rank
+    lists over the world) and creates each distinct one, in the same order
+    everywhere, as ``new_group`` requires."""
+    if group is None:
+        return dist.new_group(backend="gloo")
+    mine = dist.get_process_group_ranks(group)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    twin = None
+    for ranks in dict.fromkeys(map(tuple, everyone)):
+        created = dist.new_group(list(ranks), backend="gloo")
+        twin = created if list(ranks) == mine else twin
+    return twin
+
+
 class Comm:
     """Collectives over `group` (the default process group when None)."""
 

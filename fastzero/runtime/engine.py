@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.comm import Comm, dist_env, init_distributed
+from fastzero.comm import Comm, dist_env, gloo_twin, init_distributed
 from fastzero.config import Config, ConfigError, load_config
 from fastzero.ops.norms import sum_of_squares
 from fastzero.parallel import ProcessTopology, Topology, current, data_group, is_tensor_parallel, set_current
@@ -244,17 +244,7 @@ class Engine(torch.nn.Module):
         the check never waits behind the device's collectives."""
         if self.comm.device.type == "cpu":
             return self.comm
-        if self.comm.group is None:
-            return Comm(torch.distributed.new_group(backend="gloo"))
-        # a data group of a topology: every rank learns every data group's ranks and builds each one's twin
-        mine = torch.distributed.get_process_group_ranks(self.comm.group)
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, mine)
-        twin = None
-        for ranks in dict.fromkeys(map(tuple, everyone)):  # the distinct groups, in the same order on every rank
-            group = torch.distributed.new_group(list(ranks), backend="gloo")
-            twin = group if list(ranks) == mine else twin
-        return Comm(twin)
+        return Comm(gloo_twin(self.comm.group))
 
     def _sync_module_state(self) -> None:
         """Every rank starts from rank 0's params and buffers."""
@@ -447,7 +437,7 @@ class Engine(torch.nn.Module):
         if self._config.non_finite_grads == "raise":
             self._zero_grads()
             raise NonFiniteGradients(f"{what}. Nothing was updated (non_finite_grads: raise)")
-        if self.comm.rank == 0:
+        if self.global_rank == 0:
             warnings.warn(f"{what}; the step is skipped on every rank (non_finite_grads: skip)", RuntimeWarning, 2)
 
     def _zero_grads(self) -> None:

@@ -133,6 +133,7 @@ def test_groups_on_four_ranks(tmp_path):
         mpu = res["pipe_tp"]["mpu"]
         assert (mpu["tensor"], mpu["pipe"], mpu["data"]) == ((rank % 2, 2), (rank // 2, 2), (0, 1))
         assert res["current"] == (True, True, True)
+        assert res["twin"] == (tp_dp["data"][tensor], "gloo")
         e = res["errors"]
         assert "tensor x pipe = 3 does not divide the world size 4" in e[0]
         assert "tensor x data x pipe = 2 but the world size is 4" in e[1]

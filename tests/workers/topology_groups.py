@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fastzero
+from fastzero.comm import gloo_twin
 from fastzero.parallel import (
     PipeModelDataParallelTopology,
     ProcessTopology,
@@ -57,6 +58,8 @@ if __name__ == "__main__":
         tensor_group() is tp_dp.get_group("tensor"),
         data_group() is tp_dp.get_group("data"),
     )
+    twin = gloo_twin(tp_dp.get_group("data"))  # as the engine's stage-3 check on GPUs builds it
+    out["twin"] = (dist.get_process_group_ranks(twin), dist.get_backend(twin))
     errors = []
     for kwargs in (dict(tensor=3), dict(tensor=2, data=1), dict(tensor=2, data=2, pipe=2), dict(data=0)):
         try:
