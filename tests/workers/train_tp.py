@@ -16,7 +16,8 @@ import fastzero
 import fastzero.zero
 from fastzero.parallel import Topology, mark_tensor_parallel, tensor_group
 
-IN, HIDDEN, OUT = 9, 14, 5  # HIDDEN splits 7 + 7 across 2 tensor ranks
+IN, HIDDEN, OUT = 9, 14, 5
+CUTS = {"even": (0, 7, 14), "uneven": (0, 8, 14)}  # where HIDDEN is cut between the 2 tensor ranks
 MICRO, GAS, DP, TP = 3, 2, 2, 2
 LR, WD, CLIP = 1e-2, 0.1, 0.05  # CLIP below the gradient norm: every step is clipped
 
@@ -66,10 +67,9 @@ class _ReduceFromTensor(torch.autograd.Function):
         return grad, None
 
 
-def rows_of(rank: int) -> slice:
+def rows_of(rank: int, cut: str = "even") -> slice:
     """Tensor rank `rank`'s rows of fc1 (its columns of fc2)."""
-    part = HIDDEN // TP
-    return slice(rank * part, (rank + 1) * part)
+    return slice(CUTS[cut][rank], CUTS[cut][rank + 1])
 
 
 class Split(torch.nn.Module):
@@ -78,14 +78,15 @@ class Split(torch.nn.Module):
     replicated and added once after the sum), the LayerNorm replicated.
     `shell`: the same params, left as built (to be loaded)."""
 
-    def __init__(self, tp_rank: int, shell: bool = False):
+    def __init__(self, tp_rank: int, shell: bool = False, cut: str = "even"):
         super().__init__()
-        self.fc1 = torch.nn.Linear(IN, HIDDEN // TP)
-        self.fc2 = torch.nn.Linear(HIDDEN // TP, OUT, bias=False)
+        part = rows_of(tp_rank, cut)
+        self.fc1 = torch.nn.Linear(IN, part.stop - part.start)
+        self.fc2 = torch.nn.Linear(part.stop - part.start, OUT, bias=False)
         self.fc2_bias = torch.nn.Parameter(torch.zeros(OUT))
         self.norm = torch.nn.LayerNorm(OUT)
         if not shell:
-            full, part = Full(), rows_of(tp_rank)
+            full = Full()
             with torch.no_grad():
                 self.fc1.weight.copy_(full.fc1.weight[part])
                 self.fc1.bias.copy_(full.fc1.bias[part])
@@ -102,9 +103,9 @@ class Split(torch.nn.Module):
         return self.norm(_ReduceFromTensor.apply(self.fc2(h), group) + self.fc2_bias)
 
 
-def full_view(split_params: dict, tp_rank: int) -> dict:
+def full_view(split_params: dict, tp_rank: int, cut: str = "even") -> dict:
     """The split model's params under the full model's names, with the slice of the full param each one is."""
-    part = rows_of(tp_rank)
+    part = rows_of(tp_rank, cut)
     return {
         "fc1.weight": (split_params["fc1.weight"], (part,)),
         "fc1.bias": (split_params["fc1.bias"], (part,)),
@@ -203,7 +204,7 @@ def train(run: dict, topo: Topology, mpu: HandMpu) -> None:
             model = Split(tp_rank, shell=True)
         assert all(p.numel() == 0 for p in model.parameters())
     else:
-        model = Split(tp_rank)
+        model = Split(tp_rank, cut=run.get("cut", "even"))
     cfg = config(run["stage"])
     if run.get("skip_at") is not None:
         cfg["non_finite_grads"] = "skip"
