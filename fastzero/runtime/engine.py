@@ -466,15 +466,15 @@ class Engine(torch.nn.Module):
         rank 0 only (every tensor rank holds the same replicated gradient),
         and a flag for a non-finite replicated gradient on any rank, so that
         every rank of the world agrees on an overflow."""
-        split = whole = 0.0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # split, replicated: one host sync at the end
         for g in self.groups:
             marked = {n for n, p in zip(g.names, g.params) if is_tensor_parallel(p)}
             for piece in g.owned(g.optimizer_params()):
                 grad = piece.opt_param.grad
-                if grad is None:
-                    continue
-                sq = float(sum_of_squares(grad.reshape(-1)[piece.offset : piece.offset + piece.hi - piece.lo]))
-                split, whole = (split + sq, whole) if piece.name in marked else (split, whole + sq)
+                if grad is not None:
+                    window = grad.reshape(-1)[piece.offset : piece.offset + piece.hi - piece.lo]
+                    sums[0 if piece.name in marked else 1] += sum_of_squares(window).to(sums.device)
+        split, whole = sums.tolist()
         if self.stage >= 1:
             split, whole = self.comm.all_reduce_scalars([split, whole], tag="norm")
         counted = split + (whole if self.tensor_comm.rank == 0 else 0.0)

@@ -24,6 +24,7 @@ RUNS = {
     "uneven": {"stage": 2, "steps": STEPS, "cut": "uneven"},  # tensor ranks hold 8 and 6 rows: shapes differ
     "mpu": {"stage": 2, "steps": STEPS, "mpu": True},
     "skip": {"stage": 2, "steps": 3, "skip_at": 1},
+    "skip_fp16": {"stage": 1, "steps": 3, "skip_at": 1, "fp16": True},
     "sampler": {"sampler": True},
     "bad_mpu": {"bad_mpu": True},
     "init_elsewhere": {"init_elsewhere": True},
@@ -66,13 +67,16 @@ def test_mpu_trains_as_topology(results):
             assert torch.equal(mpu["params"][name], p), name
 
 
-def test_non_finite_on_one_tensor_rank_skips_everywhere(results):
+@pytest.mark.parametrize("run", ["skip", "skip_fp16"])
+def test_non_finite_on_one_tensor_rank_skips_everywhere(results, run):
     # the NaN is in the replicated bias's gradient on tensor rank 1, whose replicated sum is not counted in the norm
-    for res in results["skip"]:
+    for res in results[run]:
         assert res["skipped"] == [False, True, False], (res["tp_rank"], res["dp_rank"], res["skipped"])
+        if run == "skip_fp16":  # the loss scaler took the same decision everywhere: halved once, at the overflow
+            assert res["scales"] == [2.0**12, 2.0**11, 2.0**11], res["scales"]
     # and the ranks stay together: the replicas of a param agree across data ranks
     by_tp = {}
-    for res in results["skip"]:
+    for res in results[run]:
         by_tp.setdefault(res["tp_rank"], []).append(res["params"])
     for a, b in by_tp.values():
         for name in a:

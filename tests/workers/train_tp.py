@@ -208,18 +208,20 @@ def train(run: dict, topo: Topology, mpu: HandMpu) -> None:
     cfg = config(run["stage"])
     if run.get("skip_at") is not None:
         cfg["non_finite_grads"] = "skip"
+    if run.get("fp16"):
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "hysteresis": 1}
     parallel = dict(mpu=mpu) if run.get("mpu") else dict(topology=topo)
     engine, *_ = fastzero.initialize(model=model, config=cfg, **parallel)
     if run.get("init"):
         engine.load_state_dict(Split(tp_rank).state_dict())
-    losses, norms, skipped = [], [], []
+    losses, norms, skipped, scales = [], [], [], []
     for step in range(run["steps"]):
         if run.get("skip_at") == step and tp_rank == 1:  # a NaN in a replicated param's grad on one tensor rank
             hook = model.fc2_bias.register_hook(lambda g: g * math.nan)
         x, y = global_batch(step)
         for m in range(GAS):
             rows = micro_rows(m, dp_rank)
-            loss = F.mse_loss(engine(x[rows]), y[rows])
+            loss = F.mse_loss(engine(x[rows]).float(), y[rows])
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -227,8 +229,9 @@ def train(run: dict, topo: Topology, mpu: HandMpu) -> None:
             hook.remove()
         norms.append(engine.get_global_grad_norm())
         skipped.append(not engine.was_step_applied())
+        scales.append(engine.loss_scale)
     with engine.gathered() as module:
-        params = {n: p.detach().clone() for n, p in module.named_parameters()}
+        params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
     torch.save(
         dict(
             tp_rank=tp_rank,
@@ -236,6 +239,7 @@ def train(run: dict, topo: Topology, mpu: HandMpu) -> None:
             losses=losses,
             norms=norms,
             skipped=skipped,
+            scales=scales,
             params=params,
             dp_world_size=engine.dp_world_size,
             mp_world_size=engine.mp_world_size,
