@@ -31,6 +31,7 @@ from fastzero.estimate import (  # noqa: F401  (DeepSpeed: deepspeed.runtime.zer
     estimate_zero3_model_states_mem_needs_all_live,
 )
 from fastzero.gathered_parameters import GatheredParameters  # noqa: F401  (DeepSpeed: deepspeed.zero)
+from fastzero.parallel import data_group
 from fastzero.runtime.stage3 import (
     WHOLE,
     add_external_param,
@@ -66,7 +67,9 @@ def partition_param(p: torch.Tensor, world_size: int, rank: int) -> None:
 class Init:
     """``with fastzero.zero.Init(): model = MyModel()`` (DeepSpeed's
     ``deepspeed.zero.Init``; its other arguments are accepted and ignored).
-    Joins the process group from the environment first if needed."""
+    Params are split over `data_parallel_group`, else the data-parallel
+    group of `mpu` or of the current topology, else every rank. Joins the
+    process group from the environment first if needed."""
 
     def __init__(
         self,
@@ -76,10 +79,11 @@ class Init:
         config=None,
         enabled: bool = True,
         dtype=None,
+        mpu=None,
         **_ignored,
     ) -> None:
         self.enabled = enabled
-        self.group = data_parallel_group
+        self.group = data_parallel_group if data_parallel_group is not None else data_group(mpu=mpu)
         self._patched: list[tuple[type, object]] = []
         self._depth: dict[int, int] = {}
 
@@ -90,6 +94,8 @@ class Init:
             init_distributed()
         self.world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        grouped = dist.is_initialized() and self.group is not None
+        self.ranks = dist.get_process_group_ranks(self.group) if grouped else list(range(self.world))
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 self._wrap(cls)
@@ -126,9 +132,11 @@ class Init:
         for p in module.parameters(recurse=False):
             if is_partitioned(p):
                 continue
-            if self.world > 1:
-                dist.broadcast(p.data, 0, group=self.group)
+            if self.world > 1:  # from the group's first rank (torch's src is a global rank)
+                src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+                dist.broadcast(p.data, src, group=self.group)
             partition_param(p, self.world, self.rank)
+            p._fz_init_ranks = self.ranks  # the engine checks it partitions over the same ranks
 
     def __exit__(self, *exc) -> None:
         for cls, (name, original) in reversed(self._patched):

@@ -7,7 +7,7 @@ surface under DeepSpeed's names (``import fastzero.comm as dist``, as
 
 from fastzero.comm import functional
 from fastzero.comm.buckets import BufferPool, GradReducer, gather_params
-from fastzero.comm.collectives import Comm, CommEvent, Handle
+from fastzero.comm.collectives import Comm, CommEvent, Handle, gloo_twin
 from fastzero.comm.compressed import compressed_allreduce, compressed_reduce_scatter, error_buffers, padded_numel
 from fastzero.comm.env import DistEnv, default_backend, dist_env, init_distributed
 from fastzero.comm.functional import *  # noqa: F403 (the names in functional.__all__)
@@ -29,6 +29,7 @@ __all__ = [
     "dist_env",
     "error_buffers",
     "gather_params",
+    "gloo_twin",
     "init_distributed",
     "padded_numel",
     *functional.__all__,

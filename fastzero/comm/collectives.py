@@ -73,6 +73,24 @@ class Handle:
             self._mark()
 
 
+def gloo_twin(group=None):
+    """A Gloo group of the same ranks as `group` (None: the world), for
+    host-side agreement that must not wait behind device collectives. Every
+    rank calls it: each learns every rank's group (one all-gather of rank
+    lists over the world) and creates each distinct one, in the same order
+    everywhere, as ``new_group`` requires."""
+    if group is None:
+        return dist.new_group(backend="gloo")
+    mine = dist.get_process_group_ranks(group)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    twin = None
+    for ranks in dict.fromkeys(map(tuple, everyone)):
+        created = dist.new_group(list(ranks), backend="gloo")
+        twin = created if list(ranks) == mine else twin
+    return twin
+
+
 class Comm:
     """Collectives over `group` (the default process group when None)."""
 
@@ -81,6 +99,9 @@ class Comm:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        # the global ranks of the group, in group-rank order
+        self.ranks = dist.get_process_group_ranks(group) if self.distributed and group is not None else None
+        self.ranks = self.ranks or list(range(self.world_size))
         nccl = self.distributed and dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.record: deque[CommEvent] = deque(maxlen=record_limit)  # the latest collectives
@@ -128,10 +149,12 @@ class Comm:
         return Handle(dist.all_to_all_single(out, inp, group=self.group, async_op=True), event)
 
     def broadcast(self, t: Tensor, src: int = 0, tag: str = "") -> Handle:
+        """`src`'s `t` to every rank; `src` is a rank in this Comm's group (as :attr:`rank` is)."""
         event = self._event("broadcast", tag, t)
         if self._local():
             return Handle(None, event)
-        return Handle(dist.broadcast(t, src=src, group=self.group, async_op=True), event)
+        root = src if self.group is None else dist.get_global_rank(self.group, src)  # torch's src is global
+        return Handle(dist.broadcast(t, src=root, group=self.group, async_op=True), event)
 
     def all_reduce_scalars(self, values: list[float], op=dist.ReduceOp.SUM, tag: str = "") -> list[float]:
         """A few numbers summed (or max-ed) over ranks, in one small collective."""

@@ -27,10 +27,20 @@ from fastzero.parallel.sequence_parallel import (
     mark_sequence_parallel,
     register_sequence_parallel_grad_hooks,
 )
+from fastzero.parallel.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    Topology,
+)
 
 __all__ = [
     "ColumnParallelLinear",
+    "PipeDataParallelTopology",
+    "PipeModelDataParallelTopology",
+    "ProcessTopology",
     "RowParallelLinear",
+    "Topology",
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "copy_to_tensor_group",

@@ -78,12 +78,12 @@ def summary(prof: Any, profile_step: int) -> list[str]:
     engine = prof.ds_engine
     flops, macs, params = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()
     fwd = prof.get_total_duration()
-    mp_size = 1  # fastzero has no model parallelism yet: every rank holds the whole model
+    mp_size = getattr(engine, "mp_world_size", 1)  # the tensor-parallel size: each rank holds 1/mp of split layers
     out = ["", "-" * 26 + " fastzero Flops Profiler " + "-" * 26, f"Profile Summary at step {profile_step}:"]
     out += NOTATIONS.split("\n")
     if engine is not None:
         out.append(LINE.format("world size: ", engine.world_size))
-        out.append(LINE.format("data parallel size: ", engine.world_size))
+        out.append(LINE.format("data parallel size: ", engine.dp_world_size))
         out.append(LINE.format("model parallel size: ", mp_size))
         out.append(LINE.format("batch size per GPU: ", engine.train_micro_batch_size_per_gpu()))
     out.append(LINE.format("params per GPU: ", params_to_string(params)))
@@ -121,7 +121,7 @@ def summary(prof: Any, profile_step: int) -> list[str]:
             )
         )
         if engine is not None:
-            samples = engine.train_micro_batch_size_per_gpu() * engine.world_size
+            samples = engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
             out.append(LINE.format("samples/second: ", round(_per_second(samples, iteration), PRECISION)))
     return out
 

@@ -20,6 +20,7 @@ import torch
 
 from fastzero.comm import Comm
 from fastzero.config import Config, ConfigError, to_dict
+from fastzero.parallel import is_tensor_parallel
 from fastzero.runtime.stage3 import logical_shape
 
 # per-rank by design: where each rank's monitor would write
@@ -46,12 +47,15 @@ def describe_config(cfg: Config) -> dict[str, Any]:
 
 
 def describe_model(module: torch.nn.Module) -> dict[str, Any]:
-    """Each param's and buffer's logical shape, dtype and whether it trains, by name."""
+    """Each param's and buffer's logical shape, dtype and whether it trains,
+    by name. A tensor-parallel param's piece may differ in size across
+    tensor ranks (an uneven split): its split dim stands in for its shape."""
     out = {}
     for name, p in module.named_parameters():
-        out[name] = f"param {tuple(logical_shape(p))} {str(p.dtype).removeprefix('torch.')}" + (
-            "" if p.requires_grad else " frozen"
+        shape = (
+            f"split on dim {getattr(p, 'partition_dim', None)}" if is_tensor_parallel(p) else tuple(logical_shape(p))
         )
+        out[name] = f"param {shape} {str(p.dtype).removeprefix('torch.')}" + ("" if p.requires_grad else " frozen")
     for name, b in module.named_buffers():
         out[name] = f"buffer {tuple(b.shape)} {str(b.dtype).removeprefix('torch.')}"
     return out

@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.comm import Comm, dist_env, init_distributed
+from fastzero.comm import Comm, dist_env, gloo_twin, init_distributed
 from fastzero.config import Config, ConfigError, load_config
 from fastzero.ops.norms import sum_of_squares
+from fastzero.parallel import ProcessTopology, Topology, current, data_group, is_tensor_parallel, set_current
+from fastzero.parallel.groups import tensor_group
 from fastzero.runtime.agreement import check_start
 from fastzero.runtime.groups import ZeroGroup, mark_owner
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
@@ -69,6 +71,23 @@ def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -
     return out
 
 
+def _tensor_comm(mpu: Any, data: Comm) -> Comm | None:
+    """The tensor group's Comm of `mpu` (None: no mpu, or tensor size 1).
+    The engine trains data x tensor parallel: the two sizes must make up the
+    world (a pipeline needs the pipeline engine)."""
+    if mpu is None:
+        return None
+    tensor = Comm(tensor_group(mpu=mpu))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if data.world_size * tensor.world_size != world:
+        raise ValueError(
+            f"{type(mpu).__name__}: data-parallel size {data.world_size} x tensor size {tensor.world_size} != world "
+            f"size {world}; the engine trains data x tensor parallel, so their product must be the world size "
+            "(pipeline parallelism needs the pipeline engine)"
+        )
+    return tensor if tensor.world_size > 1 else None
+
+
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -93,10 +112,17 @@ class Engine(torch.nn.Module):
         optimizer=None,
         lr_scheduler=None,
         comm: Comm | None = None,
+        mpu: Any = None,
     ) -> None:
         super().__init__()
         self._config = cfg = config
-        self.comm = comm or Comm()
+        # mpu: a Topology or Megatron-style mpu. ZeRO partitions and reduces over its data-parallel group only
+        # (self.comm); the tensor group sees only the gradient norm's scalars (self.tensor_comm)
+        self.mpu = mpu
+        self.comm = comm or Comm(data_group(mpu=mpu) if mpu is not None else None)
+        self.tensor_comm = _tensor_comm(mpu, self.comm)
+        self.dp_world_size = self.comm.world_size
+        self.mp_world_size = 1 if self.tensor_comm is None else self.tensor_comm.world_size
         self.stage = cfg.zero_optimization.stage
         partitioned = [n for n, p in module.named_parameters() if is_partitioned(p)]
         if partitioned and self.stage != 3:
@@ -168,6 +194,11 @@ class Engine(torch.nn.Module):
             master_weights=self.dtype != torch.float32,
         )
         self.onebit = isinstance(self.optimizer, OneBitBase)  # the 1-bit family
+        if self.onebit and self.tensor_comm is not None:
+            raise ConfigError(
+                f"{type(self.optimizer).__name__} with tensor parallelism (tensor size {self.mp_world_size}) is not "
+                "supported: its compressed exchange ignores the tensor split; use Adam/AdamW or tensor size 1"
+            )
         if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
             shards = None if self.stage == 0 else [g.shard_map() for g in self.groups]  # per-param math on chunks
             self.optimizer.attach_engine(self.comm, exchange_momentum=self.stage == 0, shards=shards)
@@ -189,7 +220,7 @@ class Engine(torch.nn.Module):
         self.last_loss: Tensor | None = None
         # seconds spent in each phase since take_timers() (and when the last backward ended, for tests)
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0, "backward_end": 0.0}
-        self.monitor = Monitor(cfg, rank=self.comm.rank)
+        self.monitor = Monitor(cfg, rank=self.global_rank)
         mark_owner(self, (p for g in self.groups for p in g.params))  # for fastzero.zero.GatheredParameters
 
     # -- set-up -----------------------------------------------------------------------------
@@ -214,7 +245,7 @@ class Engine(torch.nn.Module):
         the check never waits behind the device's collectives."""
         if self.comm.device.type == "cpu":
             return self.comm
-        return Comm(torch.distributed.new_group(backend="gloo"))
+        return Comm(gloo_twin(self.comm.group))
 
     def _sync_module_state(self) -> None:
         """Every rank starts from rank 0's params and buffers."""
@@ -251,11 +282,13 @@ class Engine(torch.nn.Module):
 
     @property
     def global_rank(self) -> int:
-        return self.comm.rank
+        """This process's rank among all ranks (DeepSpeed's ``engine.global_rank``)."""
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
     @property
     def world_size(self) -> int:
-        return self.comm.world_size
+        """All ranks (DeepSpeed's ``engine.world_size``); the data-parallel ones are :attr:`dp_world_size`."""
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True for the last micro-batch before an optimizer step."""
@@ -405,7 +438,7 @@ class Engine(torch.nn.Module):
         if self._config.non_finite_grads == "raise":
             self._zero_grads()
             raise NonFiniteGradients(f"{what}. Nothing was updated (non_finite_grads: raise)")
-        if self.comm.rank == 0:
+        if self.global_rank == 0:
             warnings.warn(f"{what}; the step is skipped on every rank (non_finite_grads: skip)", RuntimeWarning, 2)
 
     def _zero_grads(self) -> None:
@@ -419,10 +452,36 @@ class Engine(torch.nn.Module):
         fastzero.ops.norms: one fp32 norm of the whole flat buffer comes out
         low and over-scales the clipped step), one tiny all-reduce (stages
         1-3). inf/NaN anywhere gives a non-finite norm: the overflow check."""
+        if self.tensor_comm is not None:
+            return self._tensor_parallel_grad_norm()
         sumsq = float(sum(sum_of_squares(g.grads()) for g in self.groups))
         if self.stage >= 1:
             (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq) if sumsq >= 0 else float("nan")
+
+    def _tensor_parallel_grad_norm(self) -> float:
+        """With a tensor group: the sums of squares of split params
+        (``is_tensor_parallel``) and of replicated ones, taken apart per
+        owned piece and summed over the data group; then over the tensor
+        group the split ones' sum, plus the replicated ones' from tensor
+        rank 0 only (every tensor rank holds the same replicated gradient),
+        and a flag for a non-finite replicated gradient on any rank, so that
+        every rank of the world agrees on an overflow."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # split, replicated: one host sync at the end
+        for g in self.groups:
+            marked = {n for n, p in zip(g.names, g.params) if is_tensor_parallel(p)}
+            for piece in g.owned(g.optimizer_params()):
+                grad = piece.opt_param.grad
+                if grad is not None:
+                    window = grad.reshape(-1)[piece.offset : piece.offset + piece.hi - piece.lo]
+                    sums[0 if piece.name in marked else 1] += sum_of_squares(window).to(sums.device)
+        split, whole = sums.tolist()
+        if self.stage >= 1:
+            split, whole = self.comm.all_reduce_scalars([split, whole], tag="norm")
+        counted = split + (whole if self.tensor_comm.rank == 0 else 0.0)
+        bad = 0.0 if math.isfinite(whole) else 1.0
+        counted, bad = self.tensor_comm.all_reduce_scalars([counted, bad], tag="norm")
+        return math.sqrt(counted) if counted >= 0 and bad == 0 else float("nan")
 
     def _compressing(self) -> bool:
         return self.onebit and self.optimizer.compressing
@@ -564,6 +623,7 @@ class Engine(torch.nn.Module):
         rank calls it). At stage 3 only with
         ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed; returns
         whether it was saved."""
+        self._refuse_tensor_parallel("save_16bit_model")
         if self.stage == 3 and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             warnings.warn(
                 "save_16bit_model at stage 3 needs zero_optimization."
@@ -601,6 +661,7 @@ class Engine(torch.nn.Module):
         load does not miss them (the model keeps its own), as DeepSpeed."""
         from fastzero.runtime.checkpoint_io import save_checkpoint
 
+        self._refuse_tensor_parallel("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
@@ -622,6 +683,7 @@ class Engine(torch.nn.Module):
 
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: leave it None")
+        self._refuse_tensor_parallel("load_checkpoint")
         return load_checkpoint(
             self,
             load_dir,
@@ -631,6 +693,14 @@ class Engine(torch.nn.Module):
             load_module_strict,
             load_module_only,
         )
+
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        # every tensor rank's data-rank 0 would write its own shard under the same file names
+        if self.tensor_comm is not None:
+            raise NotImplementedError(
+                f"{what} with tensor parallelism (tensor size {self.mp_world_size}) is not supported yet: the "
+                "files do not record the tensor split. Save engine.state_dict() per tensor rank meanwhile"
+            )
 
     def refresh_from_module(self, params: Iterable[Tensor] | None = None) -> None:
         """After the module's trained params were changed outside training
@@ -674,10 +744,19 @@ def initialize(
     config_params: dict | None = None,
     collate_fn=None,
     dist_init_required: bool | None = None,
+    mpu: Any = None,
+    topology: Topology | ProcessTopology | None = None,
 ):
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, dataloader,
     lr_scheduler)``. Joins the process group from the launcher's environment
-    when there is more than one rank and none exists yet."""
+    when there is more than one rank and none exists yet.
+
+    `topology` (a :class:`fastzero.parallel.Topology`, or a DeepSpeed-style
+    ProcessTopology it is built from) or `mpu` (any object with Megatron's
+    mpu interface), else the current one (:func:`fastzero.parallel.current`):
+    ZeRO partitions and reduces over its data-parallel group, the batch
+    sizes count data-parallel ranks, and it becomes the current one. With
+    none, every rank is a data-parallel rank."""
     if model is None:
         raise ValueError("initialize() needs model=")
     from fastzero.config import config_from_args  # here: Engine's imports above are another change's
@@ -689,23 +768,44 @@ def initialize(
         raise ConfigError(
             "initialize() needs config= (a path to ds_config.json or a dict) or args with --deepspeed_config"
         )
+    if topology is not None and mpu is not None:
+        raise ValueError("initialize(): pass topology= or mpu=, not both (a Topology is an mpu)")
     env = dist_env()
     if env.world_size > 1 and dist_init_required is not False:
         init_distributed()
-    comm = Comm()
+    if isinstance(topology, ProcessTopology):
+        topology = Topology.of(topology)
+    elif topology is not None:
+        raise TypeError(f"initialize(topology=...) takes a fastzero.parallel.Topology, not {type(topology).__name__}")
+    parallel = topology if topology is not None else mpu if mpu is not None else current()
+    comm = Comm(data_group(mpu=parallel) if parallel is not None else None)  # the data-parallel ranks
+    world = Comm()
     cfg = error = None
     try:
-        cfg = load_config(config, world_size=comm.world_size)
+        cfg = load_config(config, world_size=comm.world_size)  # train_batch = micro * accumulation * data ranks
     except ConfigError as exc:
         error = exc
-    check_start(comm, cfg, error, model)  # every rank raises if any rank's config or model differs
+        if comm.world_size != world.world_size:
+            error = ConfigError(
+                f"{exc} (the world size in the batch arithmetic is the data-parallel size, {comm.world_size} of "
+                f"{world.world_size} ranks)"
+            )
+    check_start(world, cfg, error, model)  # every rank raises if any rank's config or model differs
     engine = Engine(
-        model, cfg, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, comm=comm
+        model,
+        cfg,
+        model_parameters=model_parameters,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        comm=comm,
+        mpu=parallel,
     )
+    if parallel is not None:
+        set_current(parallel)  # the parallel layers' default from now on
     loader = None
     if training_data is not None:
         sampler, drop_last = None, cfg.dataloader_drop_last  # drop the last, short micro-batch (DeepSpeed's key)
-        if comm.world_size > 1:
+        if comm.world_size > 1:  # split over the data-parallel ranks: tensor ranks of one data rank see the same
             sampler = torch.utils.data.DistributedSampler(
                 training_data, comm.world_size, comm.rank, drop_last=drop_last
             )

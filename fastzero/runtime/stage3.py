@@ -156,6 +156,14 @@ class Stage3Group(ZeroGroup):
     def _partition(self, unit: Unit, lay: FlatLayout) -> None:
         p = unit.param
         pre = take_init_shard(p)  # partitioned at construction by fastzero.zero.Init
+        ranks = p.__dict__.pop("_fz_init_ranks", None)
+        if pre is not None and ranks is not None and list(ranks) != self.comm.ranks:
+            raise ValueError(
+                f"{unit.name} was partitioned by fastzero.zero.Init over ranks {list(ranks)}, but the engine "
+                f"partitions over its data-parallel group, ranks {self.comm.ranks}: build the model under "
+                "zero.Init over the same group (make the topology current first, or pass Init(mpu=...) or "
+                "data_parallel_group=)"
+            )
         if pre is not None:
             unit.shard.copy_(pre)
         else:
