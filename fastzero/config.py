@@ -351,6 +351,13 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class TensorParallelConfig:
+    # AutoTP training: initialize shards the model over this many ranks (fastzero.tp_model_init); 0 or 1: off
+    autotp_size: int = _opt(0, "int", low=0)
+    dtype: str | None = _opt(None, "str", nullable=True)  # accepted: the training dtype is fp16/bf16's
+
+
+@dataclass(frozen=True)
 class Config:
     train_batch_size: int | None = _opt(None, "int", low=1, nullable=True)
     train_micro_batch_size_per_gpu: int | None = _opt(None, "int", low=1, nullable=True)
@@ -379,6 +386,7 @@ class Config:
     wandb: WandbConfig = _section(WandbConfig)
     flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
+    tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig)
     # a client optimizer fastzero does not take over (SGD, Adagrad, a custom one) at ZeRO stages 1-3: refused unless
     # true (DeepSpeed's key); with offload_optimizer it runs on the CPU shard only when zero_force_ds_cpu_optimizer
     # is false
@@ -815,6 +823,16 @@ def config_from_args(args: Any, config: Any) -> Any:
             f"deepspeed.initialize() function call (--{name} {value} and config=): give one"
         )
     return next(iter(given.values()))
+
+
+def autotp_size(config: str | os.PathLike | dict) -> int:
+    """``tensor_parallel.autotp_size`` of a config (a path or a dict) read
+    before the full check, which needs the data-parallel size that it
+    decides; 0 when absent or not an int (the full check then names it)."""
+    raw = read_config_file(os.fsdecode(config)) if isinstance(config, (str, os.PathLike)) else config
+    section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    value = section.get("autotp_size", 0) if isinstance(section, dict) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def load_config(config: str | os.PathLike | dict, world_size: int = 1) -> Config:

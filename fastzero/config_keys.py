@@ -63,7 +63,10 @@ def refused(why: str) -> Key:
 
 # Reasons shared by several keys
 PIPELINE = "fastzero has no pipeline parallelism yet (it lands with issue 16)"
-TENSOR_PARALLEL = "fastzero has no tensor parallelism yet"
+INFERENCE_TP = (
+    "DeepSpeed's inference tensor-parallel settings (kernel injection, policies); fastzero trains with AutoTP "
+    "(tensor_parallel.autotp_size, fastzero.tp_model_init) or a topology/mpu passed to initialize"
+)
 NVME = "fastzero offloads to the CPU only; NVMe offload (ZeRO-Infinity) is not implemented"
 REMOVED = "removed from DeepSpeed (0.19.8 refuses it too: deepspeedai/DeepSpeed#8489)"
 CPU_ADAM = "fastzero's CPU step is its own CPUAdam, with no such knob"
@@ -328,7 +331,37 @@ KEYS: dict[str, Key] = {
     "autotuning": refused("DeepSpeed's autotuner is not implemented"),
     # -- parallelism and training techniques not in fastzero -----------------------------------------------------
     "pipeline": refused(PIPELINE),
-    "tensor_parallel": refused(TENSOR_PARALLEL),
+    "tensor_parallel": done("AutoTP training (docs/parallel.md)"),
+    "tensor_parallel.autotp_size": done(
+        "initialize shards the model's Linear layers over this many ranks (fastzero.tp_model_init; the data-parallel "
+        "size is world / autotp_size); 0 or 1: off"
+    ),
+    "tensor_parallel.dtype": accepted("the training dtype is fp16/bf16's (or tp_model_init's dtype=)"),
+    "tensor_parallel.injection_policy_tuple": refused(INFERENCE_TP),
+    "tensor_parallel.keep_module_on_host": refused(INFERENCE_TP),
+    "tensor_parallel.kernel_inject": refused(INFERENCE_TP),
+    "tensor_parallel.replace_with_kernel_inject": refused(INFERENCE_TP),
+    "tensor_parallel.preset_model": refused(
+        "AutoTP picks its plan from model.config.model_type (docs/parallel.md); pass tp_model_init(plan=...) for others"
+    ),
+    "tensor_parallel.partition_config": refused(
+        "a custom partition plan is tp_model_init(model, tp_size, plan={module-name regex: colwise | rowwise | "
+        "replicate}) (docs/parallel.md)"
+    ),
+    "tensor_parallel.tensor_parallel": refused(INFERENCE_TP),
+    "tensor_parallel.tp": refused(INFERENCE_TP),
+    "tensor_parallel.tp_overlap_comm": refused(
+        "the row-parallel all-reduce is not overlapped with the next matmul; the tensor-parallel layers communicate "
+        "synchronously"
+    ),
+    "tensor_parallel.vocab_parallel_ce_backend": refused(
+        "AutoTP keeps the LM head whole (full-vocabulary logits); a vocab-parallel head is "
+        "fastzero.parallel.vocab_parallel_cross_entropy in the model"
+    ),
+    "tensor_parallel.vocab_parallel_lm_head": refused(
+        "AutoTP keeps the LM head whole (full-vocabulary logits); build the head with "
+        "fastzero.parallel.ColumnParallelLinear and vocab_parallel_cross_entropy"
+    ),
     "activation_checkpointing": refused(
         "activation checkpointing is not implemented in fastzero's runtime; use torch.utils.checkpoint in the model"
     ),

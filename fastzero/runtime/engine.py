@@ -759,7 +759,7 @@ def initialize(
     none, every rank is a data-parallel rank."""
     if model is None:
         raise ValueError("initialize() needs model=")
-    from fastzero.config import config_from_args  # here: Engine's imports above are another change's
+    from fastzero.config import autotp_size, config_from_args  # here: Engine's imports above are another change's
 
     config = config if config is not None else config_params
     # --deepspeed_config / --deepscale_config / --fastzero_config (fastzero.add_config_arguments)
@@ -778,6 +778,13 @@ def initialize(
     elif topology is not None:
         raise TypeError(f"initialize(topology=...) takes a fastzero.parallel.Topology, not {type(topology).__name__}")
     parallel = topology if topology is not None else mpu if mpu is not None else current()
+    tp = autotp_size(config)  # tensor_parallel.autotp_size: AutoTP here, unless the model is sharded already
+    if tp > 1:
+        from fastzero.parallel.autotp import tp_model_init
+
+        if parallel is None:
+            parallel = Topology(tensor=tp)
+        tp_model_init(model, tp, mpu=parallel)
     comm = Comm(data_group(mpu=parallel) if parallel is not None else None)  # the data-parallel ranks
     world = Comm()
     cfg = error = None

@@ -64,3 +64,26 @@ def test_heads_that_do_not_divide_are_refused(monkeypatch):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=48, n_head=3, n_layer=1, vocab_size=32))
     with pytest.raises(ValueError, match="num_attention_heads = 3 is not divisible by 2"):
         tp_model_init(model, 2)
+
+
+TRAIN = WORKER.parent / "train_autotp.py"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_autotp_training_at_tensor_2_data_2_equals_single_process_adamw(tmp_path, stage):
+    """`tensor_parallel.autotp_size: 2` alone: a GPT-2 trains 6 steps at
+    tensor 2 x data 2 under ZeRO `stage` with clipping; the global losses
+    and every rank's pieces of the final weights equal one process's
+    torch AdamW on the unsharded model, same global batches (weights to
+    1e-4: an element whose gradient is near zero moves by up to lr per
+    step on the sign of a rounding difference, Adam's nature)."""
+    out = str(tmp_path / "run")
+    run_ranks(TRAIN, 4, ["gpt2", stage, 6, out], timeout=900)
+    for rank in range(4):
+        got = torch.load(f"{out}.rank{rank}.pt", weights_only=False)
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["twin_losses"]), rtol=1e-5, atol=0)
+        assert got["params"].keys() == got["expected"].keys()
+        for name, value in got["params"].items():
+            torch.testing.assert_close(
+                value, got["expected"][name], rtol=1e-4, atol=1e-4, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+            )
