@@ -43,7 +43,11 @@ The engine's state goes through its groups' state API
 (:class:`fastzero.runtime.groups.ZeroGroup`: ``owned``, ``pieces_out``,
 ``pieces_in``, ``rank_state``), never through a group's or the optimizer's
 internals, so any group that implements it checkpoints the same way.
-Checkpoints live on a file system every rank sees.
+Checkpoints live on a file system every rank sees, or, with
+``checkpoint.use_node_local_storage``, on each node's own disk: each node's
+first rank writes there what rank 0 writes otherwise (the same bytes), every
+rank its own file, and a load reads its node's directory only, at the layout
+that saved it (:mod:`fastzero.runtime.checkpoint_nodes`).
 
 This module holds what needs the engine: save, load (prepare, agree, apply),
 the pieces, the module's state, 1-bit Adam's state, and :func:`consolidate`.

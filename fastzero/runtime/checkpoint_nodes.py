@@ -86,12 +86,18 @@ def layout(comm, path, extra=None) -> tuple[Nodes, Path, list]:
     for r, (k, _) in enumerate(gathered):
         ranks[order[k]].append(r)
     node = order[key]
-    directory = node_dir(path, node)
-    # each node's leader says where its directory really is; nodes on one host must not share one
-    where = comm.all_gather_objects(os.path.realpath(directory))
+    try:
+        directory, problem = node_dir(path, node), None
+    except ValueError as exc:  # a bad FASTZERO_NODE_LOCAL_ROOT_<i>: every rank must learn of it, or they would hang
+        directory, problem = None, str(exc)
+    # where each node's directory really is (nodes on one host must not share one), or a rank's problem
+    where = comm.all_gather_objects((None if directory is None else os.path.realpath(directory), problem))
+    bad = [(r, msg) for r, (_, msg) in enumerate(where) if msg is not None]
+    if bad:
+        raise ValueError(f"rank {bad[0][0]}: {bad[0][1]}")
     seen: dict[tuple[str, str], int] = {}
     for n, members in enumerate(ranks):
-        host, real = gathered[members[0]][0][0], where[members[0]]
+        host, real = gathered[members[0]][0][0], where[members[0]][0]
         other = seen.setdefault((host, real), n)
         if other != n:
             raise CheckpointError(
