@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,11 @@ def launch(tmp_path, name, world, runs, env, local_world=2, timeout=600):
     return [[torch.load(f"{run['out']}.rank{r}.pt") for r in range(world)] for run in runs]
 
 
+def on_node(path, i: int, roots) -> Path:
+    """Node `i`'s directory for the configured `path`."""
+    return node_dir(path, i, {f"FASTZERO_NODE_LOCAL_ROOT_{i}": str(roots[i])})
+
+
 def tree(root) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -65,8 +71,8 @@ def test_each_node_holds_its_ranks_files_and_the_same_shared_files(saved):
     for stage in STAGES:
         configured = tmp / f"s{stage}"
         assert not configured.exists()  # every byte went to the nodes' own directories
-        a, b = (tree(node_dir(configured, i, {f"FASTZERO_NODE_LOCAL_ROOT_{i}": str(roots[i])})) for i in (0, 1))
-        version = ckpt.resolve(node_dir(configured, 0, {"FASTZERO_NODE_LOCAL_ROOT_0": str(roots[0])}))
+        a, b = (tree(on_node(configured, i, roots)) for i in (0, 1))
+        version = ckpt.resolve(on_node(configured, 0, roots))
         prefix = f"global_step3/{version.name}/"
         assert sorted(a) == sorted(["latest", "global_step3/current"] + [prefix + f for f in SHARED + RANKS[0]])
         assert sorted(b) == sorted(["latest", "global_step3/current"] + [prefix + f for f in SHARED + RANKS[1]])
@@ -87,16 +93,20 @@ def test_a_resume_at_the_same_layout_is_exact_and_a_different_stage_is_refused(s
     for bit, and the same params as the uninterrupted run, at every stage.
     The same checkpoint at another stage is refused on every rank, and so
     are nodes that name different checkpoints none of which every node
-    holds (node 0 the stage-2 run's, node 1 the stage-1 run's); no engine
-    changed."""
+    holds (node 0 the stage-2 run's, node 1 the stage-1 run's) and nodes
+    whose manifests differ under the same names; no engine changed."""
     tmp, env, roots, results = saved
     for i, stage in enumerate((2, 1)):
-        where = {f"FASTZERO_NODE_LOCAL_ROOT_{i}": str(roots[i])}
-        shutil.copytree(node_dir(tmp / f"s{stage}", i, where), node_dir(tmp / "mixed", i, where))
+        shutil.copytree(on_node(tmp / f"s{stage}", i, roots), on_node(tmp / "mixed", i, roots))
+        shutil.copytree(on_node(tmp / "s2", i, roots), on_node(tmp / "forged", i, roots))
+    # node 1's manifest says something else (the manifest itself carries no checksum)
+    manifest = ckpt.resolve(on_node(tmp / "forged", 1, roots)) / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"global_samples": ', '"global_samples": 1'))
     runs = [dict(stage=s, steps=6, start=3, load=str(tmp / f"s{s}"), top=NODE_LOCAL) for s in STAGES]
     runs.append(dict(mode="refused", stage=1, load=str(tmp / "s2")))
     runs.append(dict(mode="refused", stage=2, load=str(tmp / "mixed")))
-    *resumed, refusals, mixed = launch(tmp, "resume", 4, runs, env)
+    runs.append(dict(mode="refused", stage=2, load=str(tmp / "forged")))
+    *resumed, refusals, mixed, forged = launch(tmp, "resume", 4, runs, env)
     for stage, ranks in zip(STAGES, resumed):
         full, first = results[stage]
         for r in range(4):
@@ -107,6 +117,8 @@ def test_a_resume_at_the_same_layout_is_exact_and_a_different_stage_is_refused(s
         assert "saved node-local by 4 ranks in nodes [[0, 1], [2, 3]] at ZeRO stage 2" in res["error"]
     for res in mixed:
         assert res["unchanged"] and "none of them is complete on every node" in res["error"], res["error"]
+    for res in forged:
+        assert res["unchanged"] and "the manifest in node 1's directory differs from node 0's" in res["error"]
 
 
 def merged(saved, stage) -> str:
@@ -114,8 +126,7 @@ def merged(saved, stage) -> str:
     out = tmp / f"merged{stage}"
     if not out.exists():
         for i in (0, 1):
-            src = node_dir(tmp / f"s{stage}", i, {f"FASTZERO_NODE_LOCAL_ROOT_{i}": str(roots[i])})
-            shutil.copytree(src, out, dirs_exist_ok=True)
+            shutil.copytree(on_node(tmp / f"s{stage}", i, roots), out, dirs_exist_ok=True)
     return str(out)
 
 
@@ -136,7 +147,7 @@ def test_merged_node_directories_are_one_ordinary_checkpoint(saved, stage, tmp_p
     cli = [sys.executable, "-m", "fastzero.checkpoint", "consolidate", directory, str(out)]
     subprocess.run(cli, check=True, capture_output=True)
     assert_params(torch.load(out), want, rtol=0, atol=0)
-    one = node_dir(tmp / f"s{stage}", 1, {"FASTZERO_NODE_LOCAL_ROOT_1": str(roots[1])})
+    one = on_node(tmp / f"s{stage}", 1, roots)
     with pytest.raises(ckpt.CheckpointError, match=r"rank00000.pt is missing .*one node's part of a node-local"):
         consolidate(one)
 
@@ -233,7 +244,7 @@ def test_a_writer_crashing_mid_save_leaves_a_checkpoint_every_node_loads(tmp_pat
             assert any("the nodes name different checkpoints" in w for w in said), said
     # what each node's directory holds after the next save: one version per tag, no lock
     for directory in dirs:
-        for i, root in enumerate(roots):
-            node = node_dir(directory, i, {f"FASTZERO_NODE_LOCAL_ROOT_{i}": str(root)})
+        for i in range(len(roots)):
+            node = on_node(directory, i, roots)
             assert not (node / files.LOCK).exists()
             assert len([p for p in (node / "t").iterdir() if p.is_dir()]) == 1
