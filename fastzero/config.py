@@ -346,7 +346,7 @@ class CheckpointConfig:
     # every rank's save tag is compared: a mismatch is ignored, warned about (on every rank) or an error
     tag_validation: str = _opt("warn", "choice", choices=("ignore", "warn", "fail"))
     load_universal: bool = _opt(False, "bool")  # accepted: every fastzero load is universal
-    use_node_local_storage: bool = _opt(False, "bool")  # true is refused (config_keys.py)
+    use_node_local_storage: bool = _opt(False, "bool")  # each node saves to and loads from its own disk
     checkpoint_serialization: bool = _opt(True, "bool")  # false is refused (config_keys.py)
 
 

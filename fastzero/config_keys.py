@@ -12,8 +12,8 @@ its status:
 - **refused**: :class:`fastzero.config.ConfigNotSupported` with the reason. A
   refused section (``pipeline``) refuses all of its keys.
 
-A value can be refused where the key is implemented (``Key.refuse``:
-``checkpoint.use_node_local_storage = true``). Keys fastzero adds are marked
+A value can be refused where the key is accepted (``Key.refuse``:
+``checkpoint.checkpoint_serialization = false``). Keys fastzero adds are marked
 ``own``. ``optimizer.type=<name>`` and ``scheduler.type=<name>`` (lower-case
 optimizer names, as DeepSpeed matches them) are the types. The parser reads
 this table for every key that is not a field; ``docs/config_keys.md`` is
@@ -248,7 +248,8 @@ KEYS: dict[str, Key] = {
         "the optimizer step runs over the shard in sub-groups of at most this many elements"
     ),
     "zero_optimization.elastic_checkpoint": accepted(
-        "every fastzero checkpoint is elastic: it loads at any world size and stage (docs/checkpoints.md)"
+        "every fastzero checkpoint is elastic: it loads at any world size and stage (a node-local one once its nodes' "
+        "directories are merged; docs/checkpoints.md)"
     ),
     "zero_optimization.load_from_fp32_weights": done(
         "true: a load restores the saved fp32 masters; false: the masters are re-made from the 16-bit weights"
@@ -285,14 +286,12 @@ KEYS: dict[str, Key] = {
     # -- checkpoints ----------------------------------------------------------------------------------------------
     "checkpoint": done("how checkpoints are saved and loaded (docs/checkpoints.md)"),
     "checkpoint.tag_validation": done("Ignore, Warn (default) or Fail: every rank's save tag is compared"),
-    "checkpoint.load_universal": accepted("every fastzero load is universal: any world size and stage"),
-    "checkpoint.use_node_local_storage": accepted(
-        "false is what fastzero does",
-        refuse=(
-            True,
-            "a load reads any rank's pieces (to resume at another world size or stage), so checkpoints live on a "
-            "file system every rank sees; save to a shared path",
-        ),
+    "checkpoint.load_universal": accepted(
+        "every fastzero load is universal (any world size and stage), but a node-local one's"
+    ),
+    "checkpoint.use_node_local_storage": done(
+        "the save directory is on each node's own disk: each node's first rank writes the shared files there, every "
+        "rank its own; a load reads its node's only, at the layout that saved it (docs/checkpoints.md)"
     ),
     "checkpoint.parallel_write": refused(f"pipeline_stage splits the save by pipeline stage; {PIPELINE}"),
     "checkpoint.checkpoint_serialization": accepted(

@@ -17,20 +17,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(script, world: int, args: list[str] = (), env: dict | None = None) -> list[subprocess.Popen]:
-    """Starts `world` processes of `script` with torchrun's variables."""
+def start_ranks(
+    script, world: int, args: list[str] = (), env: dict | None = None, local_world: int | None = None
+) -> list[subprocess.Popen]:
+    """Starts `world` processes of `script` with torchrun's variables;
+    `local_world`: ranks per simulated node (LOCAL_RANK, LOCAL_WORLD_SIZE
+    and GROUP_RANK as torchrun sets them on each node; else LOCAL_RANK is
+    the rank)."""
     port = str(free_port())
     procs = []
     for rank in range(world):
+        node = (
+            {}
+            if local_world is None
+            else {"LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(rank // local_world)}
+        )
         penv = dict(
             os.environ,
             RANK=str(rank),
             WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
+            LOCAL_RANK=str(rank % (local_world or world)),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(ROOT),
+            **node,
             **(env or {}),
         )
         procs.append(
@@ -45,9 +56,11 @@ def start_ranks(script, world: int, args: list[str] = (), env: dict | None = Non
     return procs
 
 
-def run_ranks(script, world: int, args: list[str] = (), timeout: float = 300, env: dict | None = None) -> list[str]:
+def run_ranks(
+    script, world: int, args: list[str] = (), timeout: float = 300, env: dict | None = None, local_world=None
+) -> list[str]:
     """Runs the ranks to the end; fails with every rank's stderr tail if one fails."""
-    procs = start_ranks(script, world, args, env)
+    procs = start_ranks(script, world, args, env, local_world)
     outs = []
     try:
         for p in procs:

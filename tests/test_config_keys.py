@@ -235,8 +235,9 @@ def test_the_checkpoint_section():
     assert c.tag_validation == "fail" and c.load_universal
     with pytest.raises(ConfigError, match=r"checkpoint.tag_validation = 'Never': must be one of ignore, warn, fail"):
         load_config({**BASE, "checkpoint": {"tag_validation": "Never"}})
-    with pytest.raises(ConfigNotSupported, match=r"use_node_local_storage = true: a load reads any rank's pieces"):
-        load_config({**BASE, "checkpoint": {"use_node_local_storage": True}})
+    assert load_config({**BASE, "checkpoint": {"use_node_local_storage": True}}).checkpoint.use_node_local_storage
+    with pytest.raises(ConfigError, match=r"checkpoint.use_node_local_storage = 'yes': must be"):
+        load_config({**BASE, "checkpoint": {"use_node_local_storage": "yes"}})
     with pytest.raises(ConfigNotSupported, match=r"checkpoint_serialization = false: fastzero always writes"):
         load_config({**BASE, "checkpoint": {"checkpoint_serialization": False}})
     with pytest.raises(ConfigNotSupported, match=r"checkpoint.parallel_write: .*issue 16"):

@@ -119,6 +119,15 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _write_bytes(path: Path, data: bytes) -> dict[str, int]:
+    """`data` to `path`, fsynced (a file another rank made: node-local saves); its ``crc32`` and ``bytes``."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"crc32": zlib.crc32(data), "bytes": len(data)}
+
+
 def mkdir(path: Path) -> None:
     path.mkdir()
 
@@ -197,6 +206,16 @@ def save_text(path: Path, text: str) -> None:
     except OSError as exc:
         if exc.errno in _DISK_FULL:
             raise _disk_full(path, 0, exc) from exc
+        raise
+
+
+def save_bytes(path: Path, data: bytes) -> dict[str, int]:
+    """``_write_bytes``, with a full disk as a CheckpointSaveError."""
+    try:
+        return _write_bytes(path, data)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            raise _disk_full(path, len(data), exc) from exc
         raise
 
 

@@ -43,7 +43,11 @@ The engine's state goes through its groups' state API
 (:class:`fastzero.runtime.groups.ZeroGroup`: ``owned``, ``pieces_out``,
 ``pieces_in``, ``rank_state``), never through a group's or the optimizer's
 internals, so any group that implements it checkpoints the same way.
-Checkpoints live on a file system every rank sees.
+Checkpoints live on a file system every rank sees, or, with
+``checkpoint.use_node_local_storage``, on each node's own disk: each node's
+first rank writes there what rank 0 writes otherwise (the same bytes), every
+rank its own file, and a load reads its node's directory only, at the layout
+that saved it (:mod:`fastzero.runtime.checkpoint_nodes`).
 
 This module holds what needs the engine: save, load (prepare, agree, apply),
 the pieces, the module's state, 1-bit Adam's state, and :func:`consolidate`.
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +69,7 @@ from typing import Any
 import torch
 
 from fastzero.runtime import checkpoint_files as files
+from fastzero.runtime import checkpoint_nodes
 from fastzero.runtime.checkpoint_files import CheckpointError, CheckpointSaveError, check_tag, rank_file, resolve
 from fastzero.runtime.checkpoint_manifest import FORMAT, VERSION, read_checked, read_manifest
 from fastzero.runtime.groups import PieceState
@@ -193,6 +199,93 @@ def _validated_tag(comm, tag: str, mode: str) -> str:
     return tags[0]
 
 
+def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclude_frozen: bool, nodes) -> str:
+    """Rank 0: writes ``extra.pt`` into `path` and returns the manifest's
+    text (every rank's file index and checksum in `payloads`; `nodes`: the
+    node layout of a node-local save, else None)."""
+    aliases, rest = _module_split(engine)
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    frozen = sorted(k for k, v in rest.items() if isinstance(v, torch.nn.Parameter))  # the rest: buffers
+    excluded = frozen if exclude_frozen else []
+    module_state = {k: v.detach().cpu().clone() for k, v in rest.items() if k not in excluded}
+    extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
+    extra["frozen_params"] = frozen
+    extra["excluded_frozen_params"] = excluded  # not saved: a strict load does not miss them
+    checksums = {rank_file(r): inf for r, (_, inf) in enumerate(payloads)}
+    checksums["extra.pt"] = files.save_file(path / "extra.pt", extra)
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": engine.comm.world_size,
+        "stage": engine.stage,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "onebit_errors": _has_errors(engine),
+        "optimizer": _state_kind(engine),
+        "groups": [
+            {
+                "step": int(float(og.get("step", 0))),
+                "names": g.names,
+                "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"},
+            }
+            for g, og in zip(engine.groups, engine.optimizer.param_groups)
+        ],
+        "params": {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)},
+        "files": {rank_file(r): idx for r, (idx, _) in enumerate(payloads)},
+        "checksums": checksums,
+        "aliases": aliases,
+    }
+    if nodes is not None:
+        manifest["node_local"] = {"nodes": nodes.ranks}
+    return json.dumps(manifest, indent=1)
+
+
+def _flip(root: Path, tag_dir: Path, tag: str, version: str, created: bool, save_latest: bool, flipped: list) -> None:
+    """The tag's pointer to `version` (the instant the tag becomes the new
+    checkpoint; `flipped` gets True then), then ``latest`` to the tag."""
+    files.save_text(tag_dir / ".current.tmp", version)
+    files.replace(tag_dir / ".current.tmp", tag_dir / files.POINTER)
+    flipped.append(True)
+    files.fsync_dir(tag_dir)
+    if created:
+        files.fsync_dir(root)
+    if save_latest:
+        files.save_text(root / ".latest.tmp", tag)
+        files.replace(root / ".latest.tmp", root / files.LATEST)
+        files.fsync_dir(root)
+
+
+_CHUNK_BYTES = 64 << 20  # a node-local save sends rank 0's files to the other nodes in pieces of this size
+
+
+def _broadcast_bytes(comm, data: bytes | None, keep: bool) -> bytes | None:
+    """Rank 0's `data` on every rank that `keep`s it (the others get None),
+    in chunks of at most 64 MiB; None everywhere when rank 0 has none (it
+    failed). Every rank calls it."""
+    size = torch.tensor([len(data) if comm.rank == 0 and data is not None else -1], device=comm.device)
+    comm.broadcast(size, 0, "checkpoint").wait()
+    n = int(size.item())
+    if n < 0:
+        return None
+    out = bytearray()
+    for lo in range(0, n, _CHUNK_BYTES):
+        hi = min(n, lo + _CHUNK_BYTES)
+        if comm.rank == 0:
+            chunk = torch.frombuffer(bytearray(data[lo:hi]), dtype=torch.uint8).to(comm.device)
+        else:
+            chunk = torch.empty(hi - lo, dtype=torch.uint8, device=comm.device)
+        comm.broadcast(chunk, 0, "checkpoint").wait()
+        if keep and comm.rank != 0:
+            out += chunk.cpu().numpy().tobytes()
+    if comm.rank == 0:
+        return data
+    return bytes(out) if keep else None
+
+
 def save_checkpoint(
     engine,
     save_dir,
@@ -201,28 +294,42 @@ def save_checkpoint(
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
 ) -> str:
-    """Every rank calls it. Returns the tag's directory ``<save_dir>/<tag>``.
+    """Every rank calls it. Returns the tag's directory ``<save_dir>/<tag>``
+    (with node-local storage, this node's).
 
     Any failure (the disk full, another job holding the lock) raises on
     every rank and leaves ``latest`` and the previous checkpoints intact.
     Every rank's tag is compared as ``checkpoint.tag_validation`` says; rank
     0's is the one used. `exclude_frozen_parameters`: the module's frozen
     params (``requires_grad=False``) are left out, and a load leaves them as
-    the model has them (DeepSpeed's)."""
+    the model has them (DeepSpeed's).
+
+    ``checkpoint.use_node_local_storage``: `save_dir` is on each node's own
+    disk; each node's first rank writes there what rank 0 writes otherwise
+    (the same bytes: rank 0's ``extra.pt`` and manifest), every rank its own
+    file, and the nodes flip their pointers only once every node's files
+    are durable."""
     if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
         raise RuntimeError(
             f"save_checkpoint in the middle of gradient accumulation (micro-step {engine.micro_steps}, "
             f"{engine.gradient_accumulation_steps()} per step): the partial gradients would be lost; save after step()"
         )
-    comm, root = engine.comm, Path(save_dir)
+    comm = engine.comm
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")  # before any write
     tag = _validated_tag(comm, tag, engine._config.checkpoint.tag_validation)
+    node_local = engine._config.checkpoint.use_node_local_storage
+    if node_local:  # rank 0's tag and version name reach every node's writer with the layout's all-gather
+        nodes, root, proposals = checkpoint_nodes.layout(comm, save_dir, (tag, files.new_version(engine.global_steps)))
+        tag, planned = proposals[0]
+    else:
+        nodes, root, planned = checkpoint_nodes.shared(comm), Path(save_dir), None
     tag_dir = root / tag
     lock = version = None
-    created = flipped = False
+    created = False
+    flipped: list = []
     error: BaseException | None = None
 
-    def abort() -> None:  # rank 0, before the flip: the new version goes, the old one was never touched
+    def abort() -> None:  # a writer, before the flip: the new version goes, the old one was never touched
         if version is not None:
             files.remove_quietly(tag_dir / version, "the partial save")
         if created:
@@ -232,21 +339,23 @@ def save_checkpoint(
                 pass
         files.release_lock(lock)
 
-    # 1. rank 0 takes the lock and makes the version directory; everyone learns its name
-    if comm.rank == 0:
+    # 1. the writers (rank 0; node-local: each node's first rank) take the lock and make the version directory
+    if nodes.leader:
         try:
             root.mkdir(parents=True, exist_ok=True)
             lock = files.acquire_lock(root, tag)
             created = not tag_dir.exists()
             if created:
                 files.mkdir(tag_dir)
-            version = files.new_version(engine.global_steps)
+            version = planned or files.new_version(engine.global_steps)
             files.mkdir(tag_dir / version)
         except Exception as exc:
             error = exc
             abort()
     payloads, failed = _outcomes(comm, error, (tag, version))
     if failed:
+        if nodes.leader and error is None:  # another node's writer failed
+            abort()
         _raise_failed(error, failed, "to start the save")
     tag, version = payloads[0]  # rank 0's tag, whatever tag_validation said of the others'
     tag_dir = root / tag
@@ -256,7 +365,7 @@ def save_checkpoint(
     index = info = None
     try:
         pieces = []
-        if engine.stage > 0 or comm.rank == 0:  # stage 0: every rank holds everything, rank 0 writes it
+        if engine.stage > 0 or nodes.leader:  # stage 0: every rank holds everything, the writers write it
             for g, opt_params in _groups(engine):
                 for piece in g.pieces_out(engine.optimizer, opt_params):
                     # a clone: not the whole storage
@@ -272,62 +381,23 @@ def save_checkpoint(
         error = exc
     payloads, failed = _outcomes(comm, error, (index, info))
     if failed:
-        if comm.rank == 0:
+        if nodes.leader:
             abort()
         comm.barrier()
         _raise_failed(error, failed, "to write its checkpoint file")
+    if node_local:
+        return _finish_node_local(
+            engine, nodes, root, tag, version, created, lock, abort, payloads, client_state, exclude_frozen_parameters,
+            save_latest,
+        )  # fmt: skip
 
     # 3. rank 0: extra.pt, the manifest last, fsync, then flip the tag's pointer, then latest, then clean up
     if comm.rank == 0:
         try:
-            aliases, rest = _module_split(engine)
-            sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-            frozen = sorted(k for k, v in rest.items() if isinstance(v, torch.nn.Parameter))  # the rest: buffers
-            excluded = frozen if exclude_frozen_parameters else []
-            module_state = {k: v.detach().cpu().clone() for k, v in rest.items() if k not in excluded}
-            extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
-            extra["frozen_params"] = frozen
-            extra["excluded_frozen_params"] = excluded  # not saved: a strict load does not miss them
-            checksums = {rank_file(r): inf for r, (_, inf) in enumerate(payloads)}
-            checksums["extra.pt"] = files.save_file(path / "extra.pt", extra)
-            manifest = {
-                "format": FORMAT,
-                "version": VERSION,
-                "world_size": comm.world_size,
-                "stage": engine.stage,
-                "dtype": str(engine.dtype).removeprefix("torch."),
-                "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps,
-                "skipped_steps": engine.skipped_steps,
-                "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-                "onebit_errors": _has_errors(engine),
-                "optimizer": _state_kind(engine),
-                "groups": [
-                    {
-                        "step": int(float(og.get("step", 0))),
-                        "names": g.names,
-                        "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"},
-                    }
-                    for g, og in zip(engine.groups, engine.optimizer.param_groups)
-                ],
-                "params": {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)},
-                "files": {rank_file(r): idx for r, (idx, _) in enumerate(payloads)},
-                "checksums": checksums,
-                "aliases": aliases,
-            }
-            files.save_text(path / "manifest.json", json.dumps(manifest, indent=1))
+            text = _extra_and_manifest(engine, path, payloads, client_state, exclude_frozen_parameters, None)
+            files.save_text(path / "manifest.json", text)
             files.fsync_dir(path)
-            files.save_text(tag_dir / ".current.tmp", version)
-            files.replace(tag_dir / ".current.tmp", tag_dir / files.POINTER)
-            flipped = True  # from here the tag is the new checkpoint
-            files.fsync_dir(tag_dir)
-            if created:
-                files.fsync_dir(root)
-            if save_latest:
-                files.save_text(root / ".latest.tmp", tag)
-                files.replace(root / ".latest.tmp", root / files.LATEST)
-                files.fsync_dir(root)
+            _flip(root, tag_dir, tag, version, created, save_latest, flipped)  # from the flip: the new checkpoint
             files.remove_old_versions(tag_dir, keep=version)
         except Exception as exc:
             error = exc
@@ -347,6 +417,73 @@ def save_checkpoint(
     return str(tag_dir)
 
 
+def _finish_node_local(
+    engine, nodes, root, tag, version, created, lock, abort, payloads, client_state, exclude_frozen, save_latest
+) -> str:
+    """Steps 3-5 of a node-local save, after every rank's file is durable:
+    rank 0 makes ``extra.pt`` and the manifest and sends both to the other
+    nodes' writers, which write and fsync them; once every node's files are
+    durable (agreed), each writer flips its tag's pointer and ``latest``;
+    once every node has flipped (agreed), each removes the tag's older
+    versions. A crash between nodes' flips leaves nodes that name different
+    checkpoints, each of them complete on every node: a load takes the
+    newest (:func:`_locate_on_nodes`)."""
+    comm, error = engine.comm, None
+    tag_dir = root / tag
+    path = tag_dir / version
+    extra = text = None
+    if comm.rank == 0:
+        try:
+            text = _extra_and_manifest(engine, path, payloads, client_state, exclude_frozen, nodes)
+            extra = (path / "extra.pt").read_bytes()
+        except Exception as exc:
+            error, text, extra = exc, None, None
+    copier = nodes.leader and comm.rank != 0
+    extra = _broadcast_bytes(comm, extra, copier)
+    text = _broadcast_bytes(comm, None if text is None else text.encode(), copier)
+    if nodes.leader and error is None and extra is not None and text is not None:
+        try:
+            if copier:
+                want = json.loads(text)["checksums"]["extra.pt"]
+                got = files.save_bytes(path / "extra.pt", extra)
+                if got != want:
+                    raise CheckpointSaveError(f"{path / 'extra.pt'}: the copy of rank 0's file differs: {got}, {want}")
+            files.save_text(path / "manifest.json", text.decode())
+            files.fsync_dir(path)
+        except Exception as exc:
+            error = exc
+    _, failed = _outcomes(comm, error)
+    if failed:
+        if nodes.leader:
+            abort()
+        _raise_failed(error, failed, "to write its node's checkpoint files", "every node's partial save is removed")
+
+    # every node's files are durable: the writers flip, and keep the older versions until all have
+    flipped: list = []
+    if nodes.leader:
+        try:
+            _flip(root, tag_dir, tag, version, created, save_latest, flipped)
+        except Exception as exc:
+            error = exc
+    _, failed = _outcomes(comm, error)
+    if nodes.leader:
+        if not failed:
+            try:
+                files.remove_old_versions(tag_dir, keep=version)
+            except OSError as exc:  # the save is complete everywhere: leftovers only
+                warnings.warn(f"could not remove the replaced versions in {tag_dir}: {exc}", stacklevel=4)
+        files.release_lock(lock)
+    if failed:
+        _raise_failed(
+            error,
+            failed,
+            "to finish the save",
+            "every node keeps the new checkpoint and the previous one (a load takes the newest checkpoint complete "
+            f"on every node: the new one, {tag!r})",
+        )
+    return str(tag_dir)
+
+
 # -- reading and checking what a load needs --------------------------------------------------------
 _PIECE_FIELDS = ("name", "lo", "hi", "scalars")  # the rest of a saved piece: its per-element tensors
 ADAM_STATE = "adam"  # the state kind of fastzero's Adam-family optimizers (master, exp_avg, exp_avg_sq)
@@ -359,20 +496,36 @@ def _state_kind(engine) -> str:
 
 
 def _pieces(
-    path: Path, manifest: dict, wanted: dict[str, list[tuple[int, int]]], cache: dict[str, Any] | None = None
+    path: Path,
+    manifest: dict,
+    wanted: dict[str, list[tuple[int, int]]],
+    cache: dict[str, Any] | None = None,
+    only: set[str] | None = None,
+    hint: str = "",
 ) -> dict[str, list[PieceState]]:
     """The saved pieces that overlap the `wanted` ranges, by param name,
-    read from the files that hold them and checked (checksum, sizes). The
-    files read are left in `cache`, by name."""
+    read from the files that hold them (those named in `only`, when given:
+    a node's) and checked (checksum, sizes). The files read are left in
+    `cache`, by name. A piece held by two files (stage 0 saved node-local:
+    each node's writer holds every piece) is read from the first. `hint`
+    ends the error for missing elements."""
     cache = {} if cache is None else cache
     out: dict[str, list[PieceState]] = {}
+    seen: set[tuple[str, int, int]] = set()
     for fname, index in manifest["files"].items():
-        if not any(n in wanted and any(lo < w_hi and w_lo < hi for w_lo, w_hi in wanted[n]) for n, lo, hi in index):
+        if only is not None and fname not in only:
+            continue
+        fresh = [(n, lo, hi) for n, lo, hi in index if (n, lo, hi) not in seen]
+        if not any(n in wanted and any(lo < w_hi and w_lo < hi for w_lo, w_hi in wanted[n]) for n, lo, hi in fresh):
             continue
         data = cache[fname] = read_checked(path, fname, manifest)
         if not isinstance(data, dict) or not isinstance(data.get("pieces"), list):
             raise CheckpointError(f"{path / fname} holds no list of pieces; the file is corrupt")
+        added = set()
         for piece in data["pieces"]:
+            key = (piece["name"], piece["lo"], piece["hi"])
+            if key in seen:
+                continue
             n = piece["hi"] - piece["lo"]
             tensors = {k: v for k, v in piece.items() if k not in _PIECE_FIELDS}
             scalars = piece.get("scalars", {})
@@ -388,11 +541,15 @@ def _pieces(
             out.setdefault(piece["name"], []).append(
                 PieceState(piece["name"], piece["lo"], piece["hi"], tensors, scalars)
             )
+            added.add(key)
+        seen |= added
     for name, ranges in wanted.items():
         for lo, hi in ranges:
             covered = sum(min(hi, p.hi) - max(lo, p.lo) for p in out.get(name, []) if p.lo < hi and lo < p.hi)
             if covered != hi - lo:
-                raise CheckpointError(f"{path}: elements [{lo}:{hi}] of {name} are missing from the checkpoint files")
+                raise CheckpointError(
+                    f"{path}: elements [{lo}:{hi}] of {name} are missing from the checkpoint files{hint}"
+                )
     return out
 
 
@@ -487,13 +644,34 @@ def _masters_from_weights(pieces: dict[str, list[PieceState]], dtype: torch.dtyp
     }
 
 
-def _prepare(engine, load_dir, tag, strict: bool, optimizer_states: bool = True) -> _Ready | None:
-    located = files.locate(load_dir, tag)
+def _check_layout(manifest: dict, engine, nodes, path: Path) -> set[str] | None:
+    """A node-local load: the rank files this node's directory holds (None:
+    all of them, a checkpoint saved to a shared directory and copied to
+    every node), after checking that the checkpoint was saved at this
+    layout (world size, ranks per node, stage)."""
+    saved = manifest.get("node_local")
+    if saved is None:
+        return None
+    ours = (engine.comm.world_size, nodes.ranks, engine.stage)
+    theirs = (manifest["world_size"], saved["nodes"], manifest["stage"])
+    if ours != theirs:
+        raise CheckpointError(
+            f"{path}: saved node-local by {theirs[0]} ranks in nodes {theirs[1]} at ZeRO stage {theirs[2]}; this job "
+            f"has {ours[0]} ranks in nodes {ours[1]} at stage {ours[2]}: {checkpoint_nodes.RESHARD}"
+        )
+    return {rank_file(r) for r in nodes.mine}
+
+
+def _prepare(engine, located, strict: bool, optimizer_states: bool = True, nodes=None) -> _Ready | None:
+    """Reads and checks all this rank needs from the checkpoint `located`
+    ((the tag's directory, its files'), or None: nothing to load); `nodes`:
+    a node-local load's layout."""
     if located is None:
         return None
     tag_dir, path = located
     manifest = read_manifest(path)
     _check_model(manifest, engine, path)
+    only = None if nodes is None else _check_layout(manifest, engine, nodes, path)
     saved_kind, kind = manifest.get("optimizer", ADAM_STATE), _state_kind(engine)
     if optimizer_states and saved_kind != kind:
         raise CheckpointError(
@@ -505,7 +683,8 @@ def _prepare(engine, load_dir, tag, strict: bool, optimizer_states: bool = True)
         for piece in g.owned(opt_params):
             wanted.setdefault(piece.name, []).append((piece.lo, piece.hi))
     read: dict[str, Any] = {}
-    pieces = _pieces(path, manifest, wanted, read)
+    hint = "" if only is None else f" in this node's directory: {checkpoint_nodes.RESHARD}"
+    pieces = _pieces(path, manifest, wanted, read, only, hint)
     if not engine._config.zero_optimization.load_from_fp32_weights:
         pieces = _masters_from_weights(pieces, engine.dtype)
     extra = _read_extra(path, manifest)
@@ -519,6 +698,59 @@ def _prepare(engine, load_dir, tag, strict: bool, optimizer_states: bool = True)
         if not isinstance(own_file, dict):
             raise CheckpointError(f"{path / name} is not a rank file; the file is corrupt")
     return _Ready(tag_dir, manifest, pieces, extra, module_state, missing, unexpected, own_file, same_world)
+
+
+def _named(located: tuple[str, str] | None) -> str:
+    return "no 'latest'" if located is None else located[1]
+
+
+def _locate_on_nodes(comm, nodes, root: Path, tag) -> tuple[Path, Path] | None:
+    """A node-local load: the checkpoint every node loads, from each node's
+    `tag` (or its ``latest``). Nodes that name different ones (a save
+    interrupted between the nodes' flips) load the newest one complete on
+    every node, with a warning. Every rank calls it; a failure raises on
+    every rank."""
+    error, mine = None, None
+    try:
+        located = files.locate(root, tag)
+        if located is not None:
+            mine = (located[0].name, located[1].relative_to(root).as_posix())
+    except Exception as exc:
+        error = exc
+    named, failed = _outcomes(comm, error, mine)
+    if failed:
+        if error is not None:
+            raise error
+        rank, msg = failed[0]
+        raise CheckpointError(
+            f"rank {rank} failed to find the checkpoint in its node's directory ({msg}); nothing changed on any rank"
+        )
+    candidates = list(dict.fromkeys(n for n in named if n is not None))  # rank 0's first
+    if not candidates:
+        return None
+    if len(candidates) == 1 and None not in named:
+        return root / candidates[0][0], root / candidates[0][1]
+    steps = []
+    for _, rel in candidates:
+        try:
+            steps.append(read_manifest(root / rel)["global_steps"])
+        except CheckpointError:
+            steps.append(None)
+    everyone = comm.all_gather_objects(steps)
+    complete = [i for i in range(len(candidates)) if all(s[i] is not None for s in everyone)]
+    said = "; ".join(f"node {n}: {_named(named[ranks[0]])}" for n, ranks in enumerate(nodes.ranks))
+    if not complete:
+        raise CheckpointError(
+            f"the nodes' directories name different checkpoints ({said}) and none of them is complete on every "
+            "node; nothing was changed on any rank"
+        )
+    best = max(complete, key=lambda i: (everyone[0][i], -i))
+    warnings.warn(
+        f"node-local checkpoint: the nodes name different checkpoints ({said}), as a save interrupted between the "
+        f"nodes' flips leaves them; loading {candidates[best][1]}, the newest one complete on every node",
+        stacklevel=4,
+    )
+    return root / candidates[best][0], root / candidates[best][1]
 
 
 def load_checkpoint(
@@ -542,8 +774,14 @@ def load_checkpoint(
     comm = engine.comm
     ready: _Ready | None = None
     error: BaseException | None = None
+    nodes = located = None
+    if engine._config.checkpoint.use_node_local_storage:  # every rank reads its node's directory only
+        nodes, root, _ = checkpoint_nodes.layout(comm, load_dir)
+        located = _locate_on_nodes(comm, nodes, root, tag)
     try:
-        ready = _prepare(engine, load_dir, tag, load_module_strict, load_optimizer_states and not load_module_only)
+        if nodes is None:
+            located = files.locate(load_dir, tag)
+        ready = _prepare(engine, located, load_module_strict, load_optimizer_states and not load_module_only, nodes)
     except Exception as exc:  # any failure must reach the agreement, or the other ranks would go on alone
         error = exc
     # one slot per rank (1: it failed), and the count of ranks that found no 'latest'
@@ -572,6 +810,14 @@ def load_checkpoint(
             f"{nothing} of {comm.world_size} ranks found no 'latest' in {load_dir} and the others did (is it on a "
             "file system every rank sees?); nothing was changed on any rank"
         )
+    if nodes is not None:  # every node read the same checkpoint: one small all-gather of the manifests' CRC32
+        prints = comm.all_gather_objects(zlib.crc32(json.dumps(ready.manifest, sort_keys=True).encode()))
+        if len(set(prints)) > 1:
+            differ = [n for n, ranks in enumerate(nodes.ranks) if prints[ranks[0]] != prints[0]]
+            raise CheckpointError(
+                f"node-local checkpoint {ready.tag_dir.name!r}: the manifest in node {differ[0]}'s directory differs "
+                "from node 0's (directories of different runs?); nothing was changed on any rank"
+            )
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = False
     _apply(engine, ready, load_optimizer_states, load_lr_scheduler_states, load_module_only)

@@ -99,6 +99,18 @@ def _validate(manifest: Any, where: Path) -> None:
             )
         ),
     )
+    if "node_local" in manifest:  # use_node_local_storage: the ranks of each node, whose files its directory holds
+        world = manifest["world_size"]
+        need(
+            "node_local",
+            'an object {"nodes": [[rank, ...], ...]} that splits the ranks 0..world_size-1 into nodes',
+            lambda v: (
+                isinstance(v, dict)
+                and isinstance(v.get("nodes"), list)
+                and all(isinstance(n, list) and n and all(_is_int(r, 0, world - 1) for r in n) for n in v["nodes"])
+                and sorted(r for n in v["nodes"] for r in n) == list(range(world))
+            ),
+        )
     if version >= 2:
         files = [*manifest["files"], "extra.pt"]
         sum_ok = lambda c: isinstance(c, dict) and _is_int(c.get("crc32"), 0, 2**32 - 1) and _is_int(c.get("bytes"), 0)
@@ -134,7 +146,13 @@ def read_checked(path: Path, fname: str, manifest: dict, weights_only: bool = Tr
         try:
             crc, size = crc32(file)
         except OSError as exc:
-            raise CheckpointError(f"{file} is missing or unreadable: {exc}") from None
+            hint = ""
+            if "node_local" in manifest and not file.exists():
+                hint = (
+                    f"; {path} holds one node's part of a node-local checkpoint (use_node_local_storage): copy every "
+                    "node's directory into one shared directory to load it at another layout or consolidate it"
+                )
+            raise CheckpointError(f"{file} is missing or unreadable: {exc}{hint}") from None
         if size != want["bytes"]:
             raise CheckpointError(
                 f"{file} has {size} bytes; the manifest records {want['bytes']} (truncated or replaced)"

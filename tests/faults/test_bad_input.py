@@ -193,6 +193,23 @@ def test_fastzero_backend_is_checked_by_the_shared_helper(monkeypatch):
         forced_backend()
 
 
+def test_a_node_local_root_must_be_a_directory(monkeypatch, tmp_path):
+    """FASTZERO_NODE_LOCAL_ROOT_<i>: a node-local save names the variable
+    and writes nothing."""
+    import fastzero
+    from tests.runtime.test_engine_single import cfg
+    from tests.workers.train_zero import make_model
+
+    config = cfg(checkpoint={"use_node_local_storage": True})
+    engine, *_ = fastzero.initialize(model=make_model(), config=config)
+    (tmp_path / "file").write_text("")
+    for value, what in ((tmp_path / "missing", "no such directory"), (tmp_path / "file", "not a directory")):
+        monkeypatch.setenv("FASTZERO_NODE_LOCAL_ROOT_0", str(value))
+        with pytest.raises(ValueError, match=f"rank 0: FASTZERO_NODE_LOCAL_ROOT_0=.*{what}; it must name an existing"):
+            engine.save_checkpoint(tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("name", ["FASTZERO_BUILD_NATIVE", "FASTZERO_BUILD_CUDA", "FASTZERO_BUILD_STRICT"])
 def test_setup_refuses_a_bad_build_switch(name):
     import os

@@ -30,7 +30,17 @@ from tests.workers.checkpoint_agree import flip_byte
 from tests.workers.train_zero import make_model
 
 # every file operation a save makes, as checkpoint_files names them (the save and the lock call them there)
-FILE_OPS = ("mkdir", "_create_exclusive", "_write", "_write_text", "replace", "fsync_dir", "_rmtree", "_unlink")
+FILE_OPS = (
+    "mkdir",
+    "_create_exclusive",
+    "_write",
+    "_write_bytes",
+    "_write_text",
+    "replace",
+    "fsync_dir",
+    "_rmtree",
+    "_unlink",
+)
 
 
 def run_engine(engine, data):
@@ -116,14 +126,16 @@ def check_complete(root, old: dict, new: dict, probe) -> str:
     return seen[1]
 
 
-@pytest.mark.parametrize("layout", ["versioned", "first"])
+@pytest.mark.parametrize("layout", ["versioned", "first", "node-local"])
 def test_a_crash_at_every_step_of_replacing_a_tag_leaves_a_complete_checkpoint(tmp_path, monkeypatch, layout):
-    """Replacing tag "t" (in this layout or the first one): at each of the
+    """Replacing tag "t" (in this layout or the first one, or saved with
+    use_node_local_storage, one node): at each of the
     save's file operations in turn, the directory as a crash there leaves it,
     and as the failed save leaves it, has `latest` and "t" loading the old
     checkpoint or the new one, whole; and a next save succeeds from there,
     takes over the crashed save's lock and clears its leftovers."""
-    engine = trained(steps=2)
+    node_local = {"checkpoint": {"use_node_local_storage": True}} if layout == "node-local" else {}
+    engine = trained(steps=2, **node_local)
     template = tmp_path / "template"
     engine.save_checkpoint(template, tag="t")
     if layout == "first":
@@ -133,7 +145,7 @@ def test_a_crash_at_every_step_of_replacing_a_tag_leaves_a_complete_checkpoint(t
     engine.save_checkpoint(tmp_path / "reference", tag="t")
     new = consolidate(tmp_path / "reference")
     assert not same_dict(old, new)
-    probe, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 1}))
+    probe, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 1}, **node_local))
 
     calls = []
     intercept(monkeypatch, lambda name, real, args: (calls.append(name), real(*args))[1])
@@ -141,7 +153,7 @@ def test_a_crash_at_every_step_of_replacing_a_tag_leaves_a_complete_checkpoint(t
     engine.save_checkpoint(tmp_path / "count", tag="t")
     monkeypatch.undo()
     assert {"_create_exclusive", "_write", "replace", "fsync_dir", "_unlink"} <= set(calls), calls
-    assert ("_rmtree" in calls) == (layout == "versioned")  # the replaced version; the first layout's are files
+    assert ("_rmtree" in calls) == (layout != "first")  # the replaced version; the first layout's are files
 
     outcomes = set()
     for k in range(len(calls)):
