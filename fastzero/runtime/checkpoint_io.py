@@ -70,6 +70,7 @@ import torch
 
 from fastzero.runtime import checkpoint_files as files
 from fastzero.runtime import checkpoint_nodes
+from fastzero.runtime import checkpoint_tp as tp
 from fastzero.runtime.checkpoint_files import CheckpointError, CheckpointSaveError, check_tag, rank_file, resolve
 from fastzero.runtime.checkpoint_manifest import FORMAT, VERSION, read_checked, read_manifest
 from fastzero.runtime.groups import PieceState
@@ -89,6 +90,12 @@ __all__ = [  # with what the other checkpoint modules hold, the public names sta
 
 
 # -- the engine's state: its groups, the module's other names, 1-bit Adam's errors -----------------
+def _comm(engine):
+    """The ranks a checkpoint spans: all of them (the data-parallel ranks and, with tensor parallelism, the
+    tensor ranks of each); files are named by rank here."""
+    return getattr(engine, "world_comm", engine.comm)
+
+
 def _groups(engine):
     """Each ZeRO group with the optimizer's tensors for it."""
     return [(g, og["params"]) for g, og in zip(engine.groups, engine.optimizer.param_groups)]
@@ -216,7 +223,7 @@ def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclud
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "world_size": engine.comm.world_size,
+        "world_size": _comm(engine).world_size,
         "stage": engine.stage,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "global_steps": engine.global_steps,
@@ -234,14 +241,27 @@ def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclud
             }
             for g, og in zip(engine.groups, engine.optimizer.param_groups)
         ],
-        "params": {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)},
+        "params": _logical_shapes(engine),
         "files": {rank_file(r): idx for r, (idx, _) in enumerate(payloads)},
         "checksums": checksums,
         "aliases": aliases,
     }
     if nodes is not None:
         manifest["node_local"] = {"nodes": nodes.ranks}
+    split = tp.manifest_entry(tp.engine_splits(engine), tp.engine_tp(engine)[0])
+    if split is not None:
+        manifest["tensor_parallel"] = split
     return json.dumps(manifest, indent=1)
+
+
+def _logical_shapes(engine) -> dict[str, list[int]]:
+    """Every trained param's shape, a tensor-parallel one's unsplit (the checkpoint's params are the logical ones)."""
+    splits = tp.engine_splits(engine)
+    return {
+        n: splits[n].full_shape(list(s)) if n in splits else list(s)
+        for g in engine.groups
+        for n, s in zip(g.names, g.shapes)
+    }
 
 
 def _flip(root: Path, tag_dir: Path, tag: str, version: str, created: bool, save_latest: bool, flipped: list) -> None:
@@ -314,7 +334,7 @@ def save_checkpoint(
             f"save_checkpoint in the middle of gradient accumulation (micro-step {engine.micro_steps}, "
             f"{engine.gradient_accumulation_steps()} per step): the partial gradients would be lost; save after step()"
         )
-    comm = engine.comm
+    comm = _comm(engine)
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")  # before any write
     tag = _validated_tag(comm, tag, engine._config.checkpoint.tag_validation)
     node_local = engine._config.checkpoint.use_node_local_storage
@@ -365,12 +385,18 @@ def save_checkpoint(
     index = info = None
     try:
         pieces = []
-        if engine.stage > 0 or nodes.leader:  # stage 0: every rank holds everything, the writers write it
+        splits, (_, tp_rank) = tp.engine_splits(engine), tp.engine_tp(engine)
+        # stage 0: every data rank holds everything, the writers (and each tensor rank's first data rank) write it
+        if engine.stage > 0 or nodes.leader or engine.comm.rank == 0:
             for g, opt_params in _groups(engine):
                 for piece in g.pieces_out(engine.optimizer, opt_params):
+                    split = splits.get(piece.name)
+                    if split is None and tp_rank > 0:
+                        continue  # a param whole on every tensor rank: tensor rank 0's copy is saved
                     # a clone: not the whole storage
                     tensors = {k: v.detach().float().cpu().clone() for k, v in piece.tensors.items()}
-                    entry = {"name": piece.name, "lo": piece.lo, "hi": piece.hi, **tensors}
+                    name = tp.qualified(piece.name, split, tp_rank)
+                    entry = {"name": name, "lo": piece.lo, "hi": piece.hi, **tensors}
                     if piece.scalars:
                         entry["scalars"] = piece.scalars
                     pieces.append(entry)
@@ -562,8 +588,10 @@ def _read_extra(path: Path, manifest: dict) -> dict:
 
 def _check_model(manifest: dict, engine, path: Path) -> None:
     saved = manifest["params"]
+    logical = _logical_shapes(engine)
     for g in engine.groups:
-        for name, shape in zip(g.names, g.shapes):
+        for name in g.names:
+            shape = logical[name]
             if name not in saved:
                 raise CheckpointError(f"{path}: param {name} of the model is not in the checkpoint (another model?)")
             if list(shape) != saved[name]:
@@ -652,7 +680,7 @@ def _check_layout(manifest: dict, engine, nodes, path: Path) -> set[str] | None:
     saved = manifest.get("node_local")
     if saved is None:
         return None
-    ours = (engine.comm.world_size, nodes.ranks, engine.stage)
+    ours = (_comm(engine).world_size, nodes.ranks, engine.stage)
     theirs = (manifest["world_size"], saved["nodes"], manifest["stage"])
     if ours != theirs:
         raise CheckpointError(
@@ -684,20 +712,37 @@ def _prepare(engine, located, strict: bool, optimizer_states: bool = True, nodes
             wanted.setdefault(piece.name, []).append((piece.lo, piece.hi))
     read: dict[str, Any] = {}
     hint = "" if only is None else f" in this node's directory: {checkpoint_nodes.RESHARD}"
-    pieces = _pieces(path, manifest, wanted, read, only, hint)
+    pieces = _tp_pieces(engine, path, manifest, wanted, read, only, hint)
     if not engine._config.zero_optimization.load_from_fp32_weights:
         pieces = _masters_from_weights(pieces, engine.dtype)
     extra = _read_extra(path, manifest)
     excluded = extra.get("excluded_frozen_params", [])
     module_state, missing, unexpected = _module_state(engine, extra["module_state"], path, strict, excluded)
-    same_world = manifest["world_size"] == engine.comm.world_size
+    same_size = (manifest.get("tensor_parallel") or {}).get("size", 1) == tp.engine_tp(engine)[0]
+    same_world = manifest["world_size"] == _comm(engine).world_size and same_size
     own_file = {}
     if same_world:
-        name = rank_file(engine.comm.rank)
+        name = rank_file(_comm(engine).rank)
         own_file = read[name] if name in read else read_checked(path, name, manifest)
         if not isinstance(own_file, dict):
             raise CheckpointError(f"{path / name} is not a rank file; the file is corrupt")
     return _Ready(tag_dir, manifest, pieces, extra, module_state, missing, unexpected, own_file, same_world)
+
+
+def _tp_pieces(engine, path, manifest, wanted, read, only, hint) -> dict[str, list[PieceState]]:
+    """The saved pieces covering this rank's `wanted` ranges of each param,
+    by the model's names: read directly when the tensor split is the saved
+    one, else each param assembled whole from the saved split and this
+    tensor rank's piece of it taken (a load at another tensor size)."""
+    mine, saved = tp.engine_splits(engine), tp.saved_splits(manifest)
+    if not mine and not saved:
+        return _pieces(path, manifest, wanted, read, only, hint)
+    rank, shapes = tp.engine_tp(engine)[1], manifest["params"]
+    want: dict[str, list[tuple[int, int]]] = {}
+    for name, ranges in wanted.items():
+        want.update(tp.wanted_for(name, shapes[name], mine.get(name), saved.get(name), rank, ranges))
+    got = _pieces(path, manifest, want, read, only, hint)
+    return {n: tp.resplit(n, shapes[n], mine.get(n), saved.get(n), rank, got) for n in wanted}
 
 
 def _named(located: tuple[str, str] | None) -> str:
@@ -771,7 +816,7 @@ def load_checkpoint(
     naming it: nothing changed anywhere. `load_module_strict`: the module's
     buffers and frozen params must be exactly the checkpoint's (False: load
     those that match and warn about the rest)."""
-    comm = engine.comm
+    comm = _comm(engine)
     ready: _Ready | None = None
     error: BaseException | None = None
     nodes = located = None
@@ -890,9 +935,12 @@ def consolidate(load_dir, tag=None, exclude_frozen_parameters: bool = False) -> 
     if path is None:
         raise CheckpointError(f"no 'latest' file in {load_dir}; pass the tag")
     manifest = read_manifest(path)
-    shapes = manifest["params"]
-    wanted = {n: [(0, int(torch.Size(s).numel()))] for n, s in shapes.items()}
-    pieces = _pieces(path, manifest, wanted)
+    shapes, splits = manifest["params"], tp.saved_splits(manifest)
+    wanted = {}
+    for n, s in shapes.items():  # a param saved split across tensor ranks: every rank's piece
+        wanted.update(tp.wanted_for(n, s, None, splits.get(n), 0, [(0, int(torch.Size(s).numel()))]))
+    got = _pieces(path, manifest, wanted)
+    pieces = {n: tp.resplit(n, s, None, splits.get(n), 0, got) for n, s in shapes.items()}
     extra = _read_extra(path, manifest)
     out = dict(extra["module_state"])
     if exclude_frozen_parameters:

@@ -121,6 +121,7 @@ class Engine(torch.nn.Module):
         self.mpu = mpu
         self.comm = comm or Comm(data_group(mpu=mpu) if mpu is not None else None)
         self.tensor_comm = _tensor_comm(mpu, self.comm)
+        self.world_comm = self.comm if self.tensor_comm is None else Comm()  # checkpoints span every rank
         self.dp_world_size = self.comm.world_size
         self.mp_world_size = 1 if self.tensor_comm is None else self.tensor_comm.world_size
         self.stage = cfg.zero_optimization.stage
@@ -661,7 +662,6 @@ class Engine(torch.nn.Module):
         load does not miss them (the model keeps its own), as DeepSpeed."""
         from fastzero.runtime.checkpoint_io import save_checkpoint
 
-        self._refuse_tensor_parallel("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
@@ -683,7 +683,6 @@ class Engine(torch.nn.Module):
 
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: leave it None")
-        self._refuse_tensor_parallel("load_checkpoint")
         return load_checkpoint(
             self,
             load_dir,
@@ -695,11 +694,11 @@ class Engine(torch.nn.Module):
         )
 
     def _refuse_tensor_parallel(self, what: str) -> None:
-        # every tensor rank's data-rank 0 would write its own shard under the same file names
+        # each tensor rank holds its own pieces of the split params: one file would need them gathered
         if self.tensor_comm is not None:
             raise NotImplementedError(
-                f"{what} with tensor parallelism (tensor size {self.mp_world_size}) is not supported yet: the "
-                "files do not record the tensor split. Save engine.state_dict() per tensor rank meanwhile"
+                f"{what} with tensor parallelism (tensor size {self.mp_world_size}): save_checkpoint, then write the "
+                "unsplit model with `python -m fastzero.checkpoint consolidate` (or fastzero.utils.zero_to_fp32)"
             )
 
     def refresh_from_module(self, params: Iterable[Tensor] | None = None) -> None:
