@@ -323,6 +323,8 @@ class _Kept:
                 out = saved.to(self.device, non_blocking=True)
         if self.group is False:  # moved to the CPU only
             return out
+        if self.tp == 1:  # a whole input in a buffer slot: copied out, as a slot's alignment can change results
+            return out[: self.numel].clone().view(self.shape)
         with _phase("gather"):
             full = torch.empty(out.numel() * self.tp, dtype=out.dtype, device=out.device)
             dist.all_gather(list(full.chunk(self.tp)), out, group=self.group)
@@ -432,7 +434,7 @@ class _CheckpointFunction(torch.autograd.Function):
     def backward(ctx, *grads: Tensor) -> tuple:
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(
-                "fastzero.checkpointing.checkpoint works with .backward() only, not torch.autograd.grad(): use "
+                "checkpoint() (reentrant, as DeepSpeed's) works with .backward() only, not torch.autograd.grad(): use "
                 "non_reentrant_checkpoint for autograd.grad"
             )
         _CONTIGUOUS.release()  # DeepSpeed's: the next forward fills fresh buffers

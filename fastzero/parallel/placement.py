@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from fastzero.parallel.checkpointing import SavedBytes, _RNGSnapshot, checkpoint, non_reentrant_checkpoint
 
-log = logging.getLogger("fastzero.checkpointing")
+log = logging.getLogger(__name__)
 
 BEFORE, AFTER = "<before>", "<after>"  # the tags of what is saved outside the blocks
 EXHAUSTIVE = 50_000  # subsets of one size tried one by one up to this many (cheap sums), else greedy
@@ -79,18 +79,14 @@ class Placement:
         return "\n".join(lines)
 
 
-def peak(
-    full: list[int], kept: list[int], transient: list[int], outside: int, after: int, chosen: set[int]
-) -> int:
+def peak(full: list[int], kept: list[int], transient: list[int], outside: int, after: int, chosen: set[int]) -> int:
     """The formula in the module docstring."""
     cost = [kept[i] if i in chosen else full[i] for i in range(len(full))]
     back = max((outside - after + sum(cost[:i]) + kept[i] + transient[i] for i in chosen), default=0)
     return max(outside + sum(cost), back)
 
 
-def choose(
-    full: list[int], kept: list[int], transient: list[int], outside: int, after: int, budget: int
-) -> set[int]:
+def choose(full: list[int], kept: list[int], transient: list[int], outside: int, after: int, budget: int) -> set[int]:
     """The fewest blocks whose placement's peak fits `budget`; ValueError when none does."""
     n = len(full)
     best_any = None

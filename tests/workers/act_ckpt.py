@@ -60,7 +60,11 @@ def engine_runs(rank: int, world: int) -> dict:
             cfg = {
                 "train_micro_batch_size_per_gpu": 4,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "stage3_param_persistence_threshold": 0},
+                "zero_optimization": {
+                    "stage": stage,
+                    "reduce_bucket_size": 200,
+                    "stage3_param_persistence_threshold": 0,
+                },
                 "steps_per_print": 1000,
             }
             if ckpt:  # no tensor group here (every rank is data parallel): inputs held on the CPU, not partitioned
