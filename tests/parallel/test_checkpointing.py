@@ -387,6 +387,16 @@ def test_under_the_engine_at_zero_0_to_3_losses_and_params_equal_the_plain_run(t
                 assert torch.equal(p, ckpt["params"][name]), (stage, name)
             assert ckpt["timings"]["recompute"] > 0  # profile: the recompute ran and was timed
         assert "pass topology= or mpu= to initialize" in res["partition_error"]
+        # stage 3: the order recorded once includes the recompute's gathers (3 blocks x 2 Linears x weight and
+        # bias) and is followed without recording again; each recompute's params are all-gathered ahead by the
+        # prefetch, not on demand when its forward starts
+        plain3, ckpt3 = res[(3, False)]["stage3"], res[(3, True)]["stage3"]
+        assert plain3["retraced"] == ckpt3["retraced"] == 0
+        assert ckpt3["trace"] == plain3["trace"] + 12
+        backward = [(name, how) for phase, name, how in ckpt3["log"] if phase == "backward"]
+        for i in range(3):
+            assert (f"blocks.{i}.a.weight", "prefetch") in backward, backward
+            assert (f"blocks.{i}.a.weight", "demand") not in backward, backward
 
 
 def test_partitioned_inputs_keep_one_tp_th_per_rank_and_grads(tmp_path):

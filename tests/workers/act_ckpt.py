@@ -64,6 +64,8 @@ def engine_runs(rank: int, world: int) -> dict:
                     "stage": stage,
                     "reduce_bucket_size": 200,
                     "stage3_param_persistence_threshold": 0,
+                    "stage3_prefetch_bucket_size": 300,  # about one Linear ahead: the order matters
+                    "stage3_max_reuse_distance": 0,  # released after each use: backward and recompute gather again
                 },
                 "steps_per_print": 1000,
             }
@@ -84,12 +86,50 @@ def engine_runs(rank: int, world: int) -> dict:
             with engine.gathered() as module:
                 params = {n: p.detach().clone() for n, p in module.named_parameters()}
             out[(stage, ckpt)] = dict(losses=losses, params=params, timings=checkpointing.timings())
+            if stage == 3:
+                out[(stage, ckpt)]["stage3"] = stage3_gathers(engine, rank, world)
     cfg["activation_checkpointing"] = {"partition_activations": True}
     try:
         fastzero.initialize(model=Net(True), config=cfg)
     except ValueError as exc:
         out["partition_error"] = str(exc)
     return out
+
+
+def stage3_gathers(engine, rank: int, world: int) -> dict:
+    """One more micro-batch at stage 3, after the order was recorded: which
+    all-gathers the fetcher's prefetch launched ahead and which a module had
+    to wait for (on demand), in forward and in backward (where the
+    recompute's forwards run); and whether the order had to be recorded again."""
+    fetcher = engine.fetcher
+    inside = [False]
+    log = []
+    prefetch = fetcher._prefetch
+
+    def tracked_prefetch():
+        inside[0] = True
+        try:
+            prefetch()
+        finally:
+            inside[0] = False
+
+    fetcher._prefetch = tracked_prefetch
+    phase = ["forward"]
+    for unit in fetcher.unit_of.values():
+        start = unit.start_gather
+
+        def start_gather(start=start, unit=unit):
+            log.append((phase[0], unit.name, "prefetch" if inside[0] else "demand"))
+            start()
+
+        unit.start_gather = start_gather
+    gen = torch.Generator().manual_seed(99 + rank)
+    x, y = torch.randn(4, WIDTH, generator=gen), torch.randn(4, 5, generator=gen)
+    loss = F.mse_loss(engine(x), y)
+    phase[0] = "backward"
+    engine.backward(loss)
+    engine.step()
+    return dict(log=log, retraced=fetcher.retraced, trace=len(fetcher.trace or ()))
 
 
 def run_blocks(blocks, x, how):
