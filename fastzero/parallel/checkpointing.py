@@ -305,6 +305,7 @@ class _Kept:
         if self.device is None or self.device.type != "cuda" or saved.device.type != "cpu" or self.ahead:
             return
         stream = _side_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy to the CPU was queued there
         with torch.cuda.stream(stream):
             out = saved.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
@@ -316,7 +317,9 @@ class _Kept:
             return saved
         if self.ahead is not None:
             out, event = self.ahead
-            torch.cuda.current_stream(self.device).wait_event(event)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            out.record_stream(current)  # made on the side stream, used on this one
             self.ahead = None
         else:
             with _phase("to_device"):

@@ -177,6 +177,21 @@ def test_cpu_and_contiguous_settings_keep_grads_and_fill_one_buffer():
     assert set(checkpointing.timings()) >= {"forward", "recompute"}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_inputs_held_in_cpu_memory_come_back_with_equal_grads():
+    torch.cuda.init()  # the RNG states live on the CUDA generator from here on
+    blocks, x = blocks_and_input()
+    blocks, x = blocks.cuda(), x.cuda()
+    want = run(blocks, x, "none")
+    checkpointing.configure(None, checkpoint_in_cpu=True, synchronize=True, profile=True)
+    got = run(blocks, x, "full")
+    assert_same(got, want)
+    assert checkpointing.timings()["recompute"] > 0
+    checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=3)
+    assert_same(run(blocks, x, "full"), want)
+
+
 def test_contiguous_buffer_overflow_names_the_fix_and_reset_clears_it():
     blocks, x = blocks_and_input(n=3)
     checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=2)
