@@ -10,8 +10,10 @@ once, params left out):
 - ``full[i]``: the bytes block i saves when it is not checkpointed;
 - ``kept[i]``: the bytes it keeps when it is (its inputs, or what the
   configured partitioning / CPU copy / selective policy keeps);
-- ``transient[i]``: the most its recompute adds during its backward (full
-  policy: measured; selective: ``full[i]``, an upper bound);
+- ``transient[i]``: the most its recompute adds during its backward
+  (measured for the full policy's reentrant recompute; where the recompute
+  runs under torch's own hooks, out of sight, as with the selective policy
+  or keyword inputs: ``full[i]``, an upper bound);
 - ``outside``: what the rest of the model saves, of which ``after`` after
   the last block (its backward, and so its release, comes before any
   block's recompute).
@@ -242,9 +244,11 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], sample: Any,
         transient = [0] * len(blocks)
         current = [None]
         base = {}
+        seen: set[int] = set()  # blocks whose recompute ran in sight (reentrant: no keyword inputs)
 
         def make_probe(i: int):
             def probe() -> None:  # a recompute starts: the peak from here on is this block's
+                seen.add(i)
                 current[0] = i
                 base[i] = meter.live
                 meter.local = meter.live
@@ -272,8 +276,9 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], sample: Any,
             for _, b in blocks:
                 _unwrap(b)
         kept = [meter.by_tag.get(n, 0) for n in names]
-    if policy != "full":  # the recompute runs under torch's own hooks, out of sight: bound it by the full saves
-        transient = list(full)
+    # a recompute under torch's own hooks (selective policy, keyword inputs) is out of sight: bound it by the
+    # block's plain saves
+    transient = [transient[i] if i in seen else full[i] for i in range(len(blocks))]
     return full, kept, transient, outside, after
 
 
