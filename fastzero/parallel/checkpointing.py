@@ -385,6 +385,7 @@ class _KeptGroup:
 
 def _register_cpu(group: _KeptGroup) -> None:
     if any(k.device is not None and k.device.type == "cuda" for k in group.kept):
+        _CPU_ORDER[:] = [r for r in _CPU_ORDER if r() is not None]  # forwards without backward leave dead ones
         _CPU_ORDER.append(weakref.ref(group))
 
 
