@@ -250,13 +250,12 @@ class _ContiguousBuffers:
         self.buffers: dict[tuple, Tensor] = {}
         self.used: dict[tuple, int] = {}
 
-    def place(self, position: int, piece: Tensor, slots: int) -> Tensor:
-        key = (position, piece.numel(), piece.dtype, piece.device)
+    def place(self, position: int, piece: Tensor, slots: int, device: torch.device) -> Tensor:
+        """`piece` copied into the next slot of its buffer on `device` (queued on the current stream)."""
+        key = (position, piece.numel(), piece.dtype, device)
         if key not in self.buffers:
-            pin = piece.device.type == "cpu" and torch.cuda.is_available()
-            self.buffers[key] = torch.empty(
-                (slots, piece.numel()), dtype=piece.dtype, device=piece.device, pin_memory=pin
-            )
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            self.buffers[key] = torch.empty((slots, piece.numel()), dtype=piece.dtype, device=device, pin_memory=pin)
             self.used[key] = 0
         slot = self.used[key]
         if slot >= slots:
@@ -267,7 +266,7 @@ class _ContiguousBuffers:
             )
         self.used[key] = slot + 1
         out = self.buffers[key][slot]
-        out.copy_(piece)
+        out.copy_(piece, non_blocking=True)
         return out
 
     def release(self) -> None:
@@ -359,10 +358,11 @@ def _keep(t: Tensor, position: int, s: Settings) -> _Kept:
     rank = group_rank(group)
     lo, hi = min(rank * chunk, flat.numel()), min((rank + 1) * chunk, flat.numel())
     piece = flat[lo:hi].clone() if hi - lo == chunk else torch.cat([flat[lo:hi], flat.new_zeros(chunk - (hi - lo))])
-    if s.checkpoint_in_cpu:
+    if s.contiguous_checkpointing:  # the buffer lives where the piece is kept: the CPU with checkpoint_in_cpu
+        where = torch.device("cpu") if s.checkpoint_in_cpu else piece.device
+        piece = _CONTIGUOUS.place(position, piece, s.num_checkpoints, where)
+    elif s.checkpoint_in_cpu:
         piece = _to_cpu(piece)
-    if s.contiguous_checkpointing:
-        piece = _CONTIGUOUS.place(position, piece, s.num_checkpoints)
     return _Kept(piece, shape=t.shape, numel=t.numel(), group=group, tp=tp, device=t.device, dtype=t.dtype)
 
 

@@ -175,6 +175,10 @@ def test_cpu_and_contiguous_settings_keep_grads_and_fill_one_buffer():
     assert_same(got, want)
     assert got["saved"] == 3 * x.numel() * 4  # the one 3-slot buffer holds every block's input
     assert set(checkpointing.timings()) >= {"forward", "recompute"}
+    checkpointing.configure(
+        None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=3, checkpoint_in_cpu=True
+    )
+    assert_same(run(blocks, x, "full"), want)
 
 
 @pytest.mark.gpu
@@ -188,8 +192,11 @@ def test_cuda_inputs_held_in_cpu_memory_come_back_with_equal_grads():
     got = run(blocks, x, "full")
     assert_same(got, want)
     assert checkpointing.timings()["recompute"] > 0
-    checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=3)
-    assert_same(run(blocks, x, "full"), want)
+    for cpu in (False, True):
+        checkpointing.configure(
+            None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=3, checkpoint_in_cpu=cpu
+        )
+        assert_same(run(blocks, x, "full"), want)
 
 
 def test_contiguous_buffer_overflow_names_the_fix_and_reset_clears_it():
