@@ -45,10 +45,10 @@ def tp_model_init(*args, **kwargs):
 
 
 # Submodules a DeepSpeed script reaches as attributes (``deepspeed.comm.get_rank()``,
-# ``deepspeed.zero.Init``, ``deepspeed.utils.RepeatingLoader``,
+# ``deepspeed.zero.Init``, ``deepspeed.utils.RepeatingLoader``, ``deepspeed.checkpointing.checkpoint``,
 # ``deepspeed.profiling.flops_profiler``), imported on first use so that
 # ``import fastzero`` stays light.
-_SUBMODULES = ("checkpoint", "comm", "ops", "profiling", "runtime", "utils", "zero")
+_SUBMODULES = ("checkpoint", "checkpointing", "comm", "ops", "profiling", "runtime", "utils", "zero")
 
 
 def __getattr__(name: str):

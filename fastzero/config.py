@@ -358,6 +358,21 @@ class TensorParallelConfig:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's ``activation_checkpointing`` section: what
+    ``fastzero.checkpointing.checkpoint`` does with the inputs it saves
+    (docs/parallel.md); ``initialize`` passes it to
+    ``fastzero.checkpointing.configure``."""
+
+    partition_activations: bool = _opt(False, "bool")  # each TP rank keeps 1/tp of every saved input
+    contiguous_memory_optimization: bool = _opt(False, "bool")  # partitions copied into one preallocated buffer
+    cpu_checkpointing: bool = _opt(False, "bool")  # saved inputs held in (pinned) CPU memory
+    number_checkpoints: int | None = _opt(None, "int", low=1, nullable=True)  # the buffer's slots
+    synchronize_checkpoint_boundary: bool = _opt(False, "bool")  # device synchronize at each checkpoint's ends
+    profile: bool = _opt(False, "bool")  # time forward, recompute and the gathers; checkpointing.timings()
+
+
+@dataclass(frozen=True)
 class Config:
     train_batch_size: int | None = _opt(None, "int", low=1, nullable=True)
     train_micro_batch_size_per_gpu: int | None = _opt(None, "int", low=1, nullable=True)
@@ -387,6 +402,7 @@ class Config:
     flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = _section(ActivationCheckpointingConfig)
     # a client optimizer fastzero does not take over (SGD, Adagrad, a custom one) at ZeRO stages 1-3: refused unless
     # true (DeepSpeed's key); with offload_optimizer it runs on the CPU shard only when zero_force_ds_cpu_optimizer
     # is false
@@ -849,6 +865,27 @@ def load_config(config: str | os.PathLike | dict, world_size: int = 1) -> Config
     if isinstance(config, dict):
         return _validate(config, world_size)
     raise ConfigError(f"config must be a path or a dict, got {type(config).__name__}")
+
+
+def load_section(config: Any, name: str) -> Any:
+    """One section of a config (a :class:`Config`, a dict, or a path to a
+    JSON/hjson file), parsed and checked on its own: no batch-size or
+    world-size checks, for callers such as ``fastzero.checkpointing.configure``
+    that read one section of the user's file."""
+    if isinstance(config, Config):
+        return getattr(config, name)
+    cls = next((f.metadata["section"] for f in fields(Config) if f.name == name), None)
+    if cls is None:
+        raise ConfigError(f"{name}: not a section of the config")
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fsdecode(config)
+        try:
+            return _parse(cls, read_config_file(path).get(name), name)
+        except ConfigError as exc:
+            raise type(exc)(f"config file {path}: {exc}") from None
+    if isinstance(config, dict):
+        return _parse(cls, config.get(name), name)
+    raise ConfigError(f"config must be a Config, a path or a dict, got {type(config).__name__}")
 
 
 def _validate(raw: dict, world_size: int) -> Config:

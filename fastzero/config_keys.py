@@ -326,6 +326,17 @@ KEYS: dict[str, Key] = {
     "flops_profiler.detailed": done(),
     "flops_profiler.output_file": done(),
     "flops_profiler.recompute_fwd_factor": done(),
+    "activation_checkpointing": done(
+        "what fastzero.checkpointing.checkpoint does with saved inputs; initialize configures it (docs/parallel.md)"
+    ),
+    "activation_checkpointing.partition_activations": done("each tensor-parallel rank keeps 1/tp of a saved input"),
+    "activation_checkpointing.contiguous_memory_optimization": done(
+        "partitions copied into one preallocated buffer of number_checkpoints slots (needs partition_activations)"
+    ),
+    "activation_checkpointing.cpu_checkpointing": done("saved inputs held in (pinned) CPU memory"),
+    "activation_checkpointing.number_checkpoints": done(),
+    "activation_checkpointing.synchronize_checkpoint_boundary": done(),
+    "activation_checkpointing.profile": done("forward, recompute and gather times: fastzero.checkpointing.timings()"),
     "comms_logger": refused("DeepSpeed's communication logger is not implemented"),
     "autotuning": refused("DeepSpeed's autotuner is not implemented"),
     # -- parallelism and training techniques not in fastzero -----------------------------------------------------
@@ -360,9 +371,6 @@ KEYS: dict[str, Key] = {
     "tensor_parallel.vocab_parallel_lm_head": refused(
         "AutoTP keeps the LM head whole (full-vocabulary logits); build the head with "
         "fastzero.parallel.ColumnParallelLinear and vocab_parallel_cross_entropy"
-    ),
-    "activation_checkpointing": refused(
-        "activation checkpointing is not implemented in fastzero's runtime; use torch.utils.checkpoint in the model"
     ),
     "sparse_attention": refused(
         f"{REMOVED}; fastzero's sparse attention kernels are called from the model (docs/sparse_attention.md)"

@@ -10,6 +10,7 @@ import importlib
 from ..family import Family
 
 KERNELS = {
+    "act_ckpt": ".act_ckpt:FAMILY",
     "cpu_adam": ".cpu_adam:FAMILY",
     "fused_adam": ".fused_adam:FAMILY",
     "fused_lamb": ".fused_lamb:FAMILY",

@@ -822,4 +822,16 @@ def initialize(
             collate_fn=collate_fn,
             drop_last=drop_last,
         )
+    # the config's activation_checkpointing section configures fastzero.checkpointing (DeepSpeed's
+    # checkpointing.configure(mpu, deepspeed_config=...)); without one, a configure() the script made stays
+    from fastzero.parallel import checkpointing
+
+    if cfg.activation_checkpointing != type(cfg.activation_checkpointing)() or not checkpointing.is_configured():
+        if cfg.activation_checkpointing.partition_activations and parallel is None and comm.world_size > 1:
+            raise ConfigError(
+                "activation_checkpointing.partition_activations splits saved inputs across the tensor-parallel "
+                "group, and without a topology or mpu every rank is data parallel (different activations): pass "
+                "topology= or mpu= to initialize, or set partition_activations to false"
+            )
+        checkpointing.configure(parallel, deepspeed_config=cfg)  # its tensor group partitions the activations
     return engine, engine.optimizer, loader, engine.lr_scheduler
