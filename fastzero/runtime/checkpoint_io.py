@@ -953,7 +953,7 @@ def consolidate(load_dir, tag=None, exclude_frozen_parameters: bool = False) -> 
         for name in frozen:
             out.pop(name, None)
     for name, shape in shapes.items():
-        flat = torch.empty(wanted[name][0][1], dtype=torch.float32)
+        flat = torch.empty(int(torch.Size(shape).numel()), dtype=torch.float32)
         for piece in pieces.get(name, []):
             flat[piece.lo : piece.hi] = piece.tensors["master"]
         out[name] = flat.view(shape)

@@ -18,6 +18,11 @@ READABLE_VERSIONS = (1, 2)  # 1: the tag directory holds the files, no checksums
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def tp_piece_name(name: str, rank: int) -> str:
+    """The name tensor rank `rank`'s pieces of a param split across the tensor group are saved under."""
+    return f"{name}@tp{rank}"
+
+
 def _is_int(v: Any, lo: int | None = None, hi: int | None = None) -> bool:
     return type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)
 
@@ -77,6 +82,28 @@ def _validate(manifest: Any, where: Path) -> None:
         ),
     )
     numel = {n: int(torch.Size(s).numel()) for n, s in params.items()}
+    if "tensor_parallel" in manifest:  # params split across tensor ranks: each rank's pieces under its own name
+        tp = need(
+            "tensor_parallel",
+            'an object {"size": int >= 2, "splits": {param name: [dim, stride]}} whose dims split the params evenly',
+            lambda v: (
+                isinstance(v, dict)
+                and _is_int(v.get("size"), 2)
+                and isinstance(v.get("splits"), dict)
+                and all(
+                    n in params
+                    and isinstance(d, list)
+                    and len(d) == 2
+                    and _is_int(d[0], 0, len(params[n]) - 1)
+                    and _is_int(d[1], 1)
+                    and params[n][d[0]] % (v["size"] * d[1]) == 0
+                    for n, d in v["splits"].items()
+                )
+            ),
+        )
+        for name in tp["splits"]:
+            whole = numel.pop(name)
+            numel.update({tp_piece_name(name, r): whole // tp["size"] for r in range(tp["size"])})
     need(
         "files",
         "an object of rank file name (rankNNNNN.pt) -> list of [param name, lo, hi] with 0 <= lo <= hi <= numel",

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fastzero.parallel.groups import is_tensor_parallel
+from fastzero.runtime.checkpoint_manifest import tp_piece_name
 from fastzero.runtime.groups import PieceState
 
 
@@ -66,7 +67,7 @@ def split_of(param: Tensor, size: int) -> Split | None:
 
 def qualified(name: str, split: Split | None, rank: int) -> str:
     """The name a piece of `name` is saved under: tensor rank `rank`'s piece of a split param gets its own."""
-    return name if split is None else f"{name}@tp{rank}"
+    return name if split is None else tp_piece_name(name, rank)
 
 
 def engine_tp(engine) -> tuple[int, int]:
