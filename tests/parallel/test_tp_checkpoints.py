@@ -12,8 +12,10 @@ import torch
 from fastzero.runtime.checkpoint_io import consolidate, read_manifest, resolve
 from tests.dist import run_ranks
 from tests.runtime.test_zero_engine import WORKER
+from tests.workers.autotp_model import build
+from tests.workers.tp_checkpoint import batch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 SCRIPT = WORKER.parent / "tp_checkpoint.py"
 STEPS, SAVE_AT = 8, 4
 
@@ -40,23 +42,8 @@ def test_saved_at_tp2_dp2_resumes_at_other_tensor_sizes_and_consolidates(tmp_pat
             msg=lambda m, n=name: f"{n}: {m}",
         )  # fmt: skip
     state = consolidate(ckpt)
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            vocab_size=96,
-            n_positions=32,
-            n_embd=48,
-            n_layer=2,
-            n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )  # fmt: skip
-    )
+    model = build("gpt2")  # a fresh model of the same config
     model.load_state_dict(state, strict=True)
-    from tests.workers.tp_checkpoint import batch
-
     with torch.no_grad():
         logits = model(input_ids=batch(-1)).logits
     torch.testing.assert_close(logits, first["logits"], rtol=1e-5, atol=1e-5)
