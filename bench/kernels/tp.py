@@ -191,7 +191,7 @@ LEGEND = (
     f"above 1); target: within {TARGET:.0%}. Comm: the bytes of the tensors handed to collectives in one step "
     "(each all-reduce's tensor), recorded by a dispatch mode on rank 0 and 1 (the larger shown). Megatron formula: "
     "4 all-reduces of b x s x h fp32 elements per layer per micro-batch (2 forward, 2 backward); fastzero adds one "
-    "all-reduce of 2 fp32 scalars (the global gradient norm's tensor-parallel part)."
+    "all-reduce of 2 fp64 scalars (the global gradient norm's tensor-parallel part, 16 bytes)."
 )
 
 FAMILY = Family(
