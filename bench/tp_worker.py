@@ -1,10 +1,11 @@
 """One rank of a ``python -m bench.run --kernel tp`` job, started by
 bench/kernels/tp.py with torchrun's variables, one thread per rank.
 
-Argument: a JSON spec (provider; the GPT-2 shape: hidden, heads, layers,
-seq, vocab, micro-batch; warm-up and timed steps; output path). Every rank
-of the one tensor group of 2 trains the same Hugging Face ``GPT2LMHeadModel``
-(dropout off) on the same fixed batch (data-parallel size 1):
+Argument: a JSON spec (the providers; the GPT-2 shape: hidden, heads,
+layers, seq, vocab, micro-batch; warm-up and timed steps; output path).
+Every rank of the one tensor group of 2 builds each provider's copy of the
+same Hugging Face ``GPT2LMHeadModel`` (dropout off) and trains it on the
+same fixed batch (data-parallel size 1):
 
 * ``fastzero``: ``fastzero.initialize`` with ``tensor_parallel.autotp_size``
   (AutoTP shards the unmodified model), ZeRO stage 0, its AdamW;
@@ -14,16 +15,16 @@ of the one tensor group of 2 trains the same Hugging Face ``GPT2LMHeadModel``
   fused q/k/v rows ordered so each rank's chunk holds its heads of each, as
   Megatron's stride-3 split does), ``torch.optim.AdamW``;
 * ``deepspeed``: DeepSpeed's AutoTP training (``tensor_parallel.autotp_size``)
-  where it imports.
+  where it imports (a provider that does not is reported skipped, with why).
 
-Before timing, the first CHECK_STEPS steps' losses must equal those of the
+First each provider's first CHECK_STEPS losses must equal those of the
 unsharded model trained by ``torch.optim.AdamW`` in one process (fp32,
-rtol LOSS_RTOL). Then warm-up steps, timed steps (forward + backward + step,
-no barrier), and one more step, untimed, under a dispatch mode that records
-every collective (:class:`CommCount`). Rank 0 writes the step times, the
-per-rank model-state bytes, the sharded layers' param bytes and the
-collectives to the output path; a peer that cannot run here writes
-``{"skipped": why}`` instead.
+rtol LOSS_RTOL). Then warm-up and timed rounds, one step (forward + backward
++ optimizer step, no barrier) of each provider per round, and per provider
+one more step, untimed, under a dispatch mode that records every collective
+(:class:`CommCount`). Rank 0 writes the step times, and every rank's
+model-state bytes, split layers' param bytes and collectives, to the output
+path.
 """
 
 from __future__ import annotations
