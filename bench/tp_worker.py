@@ -125,10 +125,13 @@ class CommCount(TorchDispatchMode):
         ns = getattr(func, "namespace", "")
         name = getattr(func, "_overloadpacket", func).__name__
         if ns in ("c10d", "_c10d_functional") and "wait" not in name and "barrier" not in name:
-            sizes = [t.numel() * t.element_size() for t in _tensors(args)]
+            nbytes = lambda ts: [t.numel() * t.element_size() for t in ts]
             entry = self.ops.setdefault(name, [0, 0])
             entry[0] += 1
-            entry[1] += sum(sizes) if "reduce" in name and "scatter" not in name else max(sizes, default=0)
+            if "reduce" in name and "scatter" not in name:
+                entry[1] += sum(nbytes(_tensors(args)))
+            else:  # the whole tensor: a functional all-gather's is its result, not an argument
+                entry[1] += max(nbytes(_tensors(args) + _tensors(out)), default=0)
         return out
 
 

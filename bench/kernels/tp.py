@@ -60,6 +60,11 @@ def shape(hidden: int | None, quick: bool) -> dict:
     return dict(base, hidden=hidden or base["hidden"], heads=heads(hidden or base["hidden"]))
 
 
+def _allreduce(op: str) -> bool:
+    """torch.distributed's ``allreduce_`` or a functional ``all_reduce`` (coalesced too), not a reduce-scatter."""
+    return op.replace("_", "").startswith("allreduce")
+
+
 def megatron_bytes(layers: int, micro: int, seq: int, hidden: int, itemsize: int = 4) -> int:
     """Bytes all-reduced per step by Megatron's tensor parallelism: per layer and micro-batch, 2 all-reduces of
     b x s x h elements in forward and 2 in backward (each all-reduce's tensor; a ring all-reduce sends 2 (tp - 1)
@@ -139,7 +144,7 @@ def rows(case: Case, spec: dict, res: dict) -> list[dict]:
         out.add(name, "comm_bytes", comm)
         out.add(name, "collectives", max(sum(c for c, _ in r["comm"].values()) for r in ranks))
         out.add(
-            name, "allreduce_bytes", max(sum(b for op, (_, b) in r["comm"].items() if "reduce" in op) for r in ranks)
+            name, "allreduce_bytes", max(sum(b for op, (_, b) in r["comm"].items() if _allreduce(op)) for r in ranks)
         )
         out.add(name, "megatron_bytes", formula)
         out.add(name, "comm_of_megatron", comm / formula)

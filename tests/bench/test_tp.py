@@ -58,6 +58,7 @@ def test_quick_run_rows_report_and_a_missing_peer(tmp_path, no_deepspeed):
         # fp32 AdamW: params, grads, exp_avg, exp_avg_sq of this rank's params
         assert got[(prov, "model_state_bytes")] == pytest.approx(4 * (per_rank + whole), rel=0.01)
         assert got[(prov, "megatron_bytes")] == 4 * b * s * h * 4
+        assert got[(prov, "allreduce_bytes")] == got[(prov, "comm_bytes")]  # no other collective
     # the activations' 4 all-reduces; fastzero one more of 2 fp64 scalars (the grad norm over the tensor group)
     assert got[("torch_tp", "comm_bytes")] == 4 * b * s * h * 4 and got[("torch_tp", "collectives")] == 4
     assert got[("fastzero", "comm_bytes")] == 4 * b * s * h * 4 + 16 and got[("fastzero", "collectives")] == 5
