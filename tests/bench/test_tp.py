@@ -73,3 +73,21 @@ def test_a_wrong_loss_fails_before_timing():
     with pytest.raises(AssertionError, match="torch_tp rank 1 step 1: loss 2.5.*does not train the same function"):
         tp_worker.check_losses("torch_tp", [[3.0, 2.0], [3.0, 2.5]], [3.0, 2.0])
     tp_worker.check_losses("torch_tp", [[3.0, 2.0 + 1e-6]], [3.0, 2.0])  # rounding passes
+
+
+def test_qkv_rows_give_each_rank_its_heads_of_q_k_v():
+    got = tp_worker.qkv_rows(hidden=8, tp=2).tolist()
+    assert got == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+
+
+def test_conv1d_as_linear_computes_the_same():
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(24, 8)
+    torch.nn.init.normal_(conv.bias)
+    x = torch.randn(3, 5, 8)
+    rows = tp_worker.qkv_rows(hidden=8, tp=2)
+    torch.testing.assert_close(tp_worker.to_linear(conv)(x), conv(x))
+    torch.testing.assert_close(tp_worker.to_linear(conv, rows)(x), conv(x)[..., rows])
