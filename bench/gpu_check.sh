@@ -79,6 +79,8 @@ print('CUDA kernels ready')
     --json "$OUT/onebit.json" --report "$OUT/onebit.md"
   step bench_sparse_attention "$PY" -m bench.run --kernel sparse_attention --device cuda --quick \
     --json "$OUT/sparse_attention.json" --report "$OUT/sparse_attention.md"
+  # not here: --kernel tp (tensor parallelism at TP=2 needs 2 ranks; NCCL cannot put 2 ranks on one GPU), and the
+  # ZeRO families: multi-process jobs over Gloo, CPU-only
 fi
 
 # the device tool brings back at most 8 files: the charts travel as one tarball
