@@ -192,6 +192,8 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
                 self._local_step(gi, group, t, scale)
         stepped = not variance or any(p.grad is not None for g in self.param_groups for p in g["params"])
         self._steps_cache = (t, self._step_objects()) if stepped else None
+        if not variance:
+            self.sync_steps()  # state[p]["step"]: these steps advanced the counters themselves
         return loss
 
     def _exchange(self, gi: int, flat: Tensor, n: int) -> None:

@@ -326,3 +326,15 @@ def test_stage_1_syncs_every_step_and_converges_like_adamw(tmp_path):
     load = _train(tmp_path, "first", first)
     for k, v in load("adam2")["params"].items():
         torch.testing.assert_close(load("zo2")["params"][k], v, rtol=1e-6, atol=1e-7)
+
+
+def test_state_step_follows_every_kind_of_step():
+    """state[p]["step"] (what torch's optimizers keep and scripts read) is
+    the group's count after variance, momentum and local steps alike."""
+    model = torch.nn.Linear(4, 3)
+    opt = ZeroOneAdam(model.parameters(), var_freeze_step=4, var_update_scaler=1, local_step_scaler=2)
+    for t in range(1, 9):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert all(float(opt.state[p]["step"]) == t for p in model.parameters()), t
