@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,20 +158,21 @@ class Job:
         raise NotImplementedError
 
 
-class Fastzero(Job):
-    def __init__(self, spec, ids):
-        import fastzero
+def engine_config(spec: dict) -> dict:
+    """The ds_config both engine providers (fastzero, DeepSpeed) train under: AutoTP at spec["tp"], ZeRO stage 0."""
+    return {
+        "train_micro_batch_size_per_gpu": spec["micro"],
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "AdamW", "params": HYPER},
+        "tensor_parallel": {"autotp_size": spec["tp"]},
+    }
 
-        cfg = {
-            "train_micro_batch_size_per_gpu": spec["micro"],
-            "steps_per_print": 10**9,
-            "zero_optimization": {"stage": 0},
-            "optimizer": {"type": "AdamW", "params": HYPER},
-            "tensor_parallel": {"autotp_size": spec["tp"]},
-        }
-        self.engine, *_ = fastzero.initialize(model=make_model(spec), config=cfg)
-        assert self.engine.dp_world_size == 1 and self.engine.mp_world_size == spec["tp"]
-        self.model, self.ids = self.engine.module, ids
+
+class EngineJob(Job):
+    """A provider that trains through a DeepSpeed-style engine (``self.engine``)."""
+
+    engine: Any
 
     def step(self):
         e = self.engine
@@ -178,6 +180,16 @@ class Fastzero(Job):
         e.backward(loss)
         e.step()
         return loss
+
+
+class Fastzero(EngineJob):
+    def __init__(self, spec, ids):
+        import fastzero
+
+        cfg = engine_config(spec)
+        self.engine, *_ = fastzero.initialize(model=make_model(spec), config=cfg)
+        assert self.engine.dp_world_size == 1 and self.engine.mp_world_size == spec["tp"]
+        self.model, self.ids = self.engine.module, ids
 
     def memory(self):
         return sum(self.engine.memory_breakdown().values())  # the engine's own tensors: flat params, grads, state
@@ -240,7 +252,7 @@ class TorchTP(Job):
         return held_bytes(params + [p.grad for p in params] + optimizer_tensors(self.opt))
 
 
-class DeepSpeedJob(Job):
+class DeepSpeedJob(EngineJob):
     """DeepSpeed's AutoTP training (0.16+): ``tp_model_init`` where the version has it, then the config's
     ``tensor_parallel.autotp_size``. Not run here yet: DeepSpeed is not installed on the development machine."""
 
@@ -254,22 +266,9 @@ class DeepSpeedJob(Job):
         model = make_model(spec)
         if hasattr(deepspeed, "tp_model_init"):
             model = deepspeed.tp_model_init(model, tp_size=spec["tp"], dtype=torch.float32)
-        cfg = {
-            "train_micro_batch_size_per_gpu": spec["micro"],
-            "steps_per_print": 10**9,
-            "zero_optimization": {"stage": 0},
-            "optimizer": {"type": "AdamW", "params": HYPER},
-            "tensor_parallel": {"autotp_size": spec["tp"]},
-        }
+        cfg = engine_config(spec)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         self.model, self.ids = self.engine.module, ids
-
-    def step(self):
-        e = self.engine
-        loss = e(input_ids=self.ids, labels=self.ids).loss
-        e.backward(loss)
-        e.step()
-        return loss
 
     def memory(self):
         params = list(self.engine.module.parameters())

@@ -148,7 +148,4 @@ class OneBitAdam(OneBitBase, FusedAdam):
         if wd:
             torch._foreach_mul_(masters, 1.0 - lr * wd)
         torch._foreach_addcdiv_(masters, [s["exp_avg"] for s in states], denom, value=-lr / bc1)
-        copies = [(p, s["master_param"]) for s, p in zip(states, params) if "master_param" in s]
-        if copies:
-            torch._foreach_copy_([p.data for p, _ in copies], [m for _, m in copies])
-        self._advance(group)
+        self._finish(params, states, group)

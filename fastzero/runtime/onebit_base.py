@@ -154,6 +154,13 @@ class OneBitBase:
         else:
             group["step"] = int(step) + 1
 
+    def _finish(self, params: list[Tensor], states: list[dict], group: dict) -> None:
+        """After a step the optimizer took itself: low-precision params from their fp32 masters, the counter on."""
+        copies = [(p, s["master_param"]) for s, p in zip(states, params) if "master_param" in s]
+        if copies:
+            torch._foreach_copy_([p.data for p, _ in copies], [m for _, m in copies])
+        self._advance(group)
+
     # -- around the step (without the engine) ---------------------------------------
     def _prepare(self, closure, grad_scale, found_inf, *, local: bool):
         """(loss, scale, skip) of a step whose gradients stay local (`local`)

@@ -201,11 +201,11 @@ class OneBitLamb(OneBitBase, FusedLamb):
         torch._foreach_addcmul_(sqs, grads, grads, value=1 - beta2)
         masters = [s.get("master_param", p) for s, p in zip(states, params)]
         update = self._directions(states, masters, eps, wd)[1]
-        ratios = []
+        low, high = group["min_coeff"], group["max_coeff"]
         p_sq, u_sq = self._norms_squared(gi, masters, update)
-        for pn, un in zip(p_sq, u_sq):
-            r = 1.0 if pn == 0.0 or un == 0.0 else math.sqrt(pn) / math.sqrt(un)
-            ratios.append(1.0 if pn == 0.0 or un == 0.0 else min(max(r, group["min_coeff"]), group["max_coeff"]))
+        ratios = [
+            1.0 if pn == 0.0 or un == 0.0 else min(max(math.sqrt(pn / un), low), high) for pn, un in zip(p_sq, u_sq)
+        ]
         self._apply(gi, masters, update, [-lr * r for r in ratios])
         self._finish(params, states, group)
         self._coeffs[gi] = ratios
@@ -232,12 +232,6 @@ class OneBitLamb(OneBitBase, FusedLamb):
         """p += alpha_i update, per model param i's pieces."""
         for (i, m), (_, u) in zip(self.segments(gi, masters), self.segments(gi, update)):
             m.add_(u, alpha=alphas[i])
-
-    def _finish(self, params: list[Tensor], states: list[dict], group: dict) -> None:
-        copies = [(p, s["master_param"]) for s, p in zip(states, params) if "master_param" in s]
-        if copies:
-            torch._foreach_copy_([p.data for p, _ in copies], [m for _, m in copies])
-        self._advance(group)
 
     def _follow_coeffs(self, gi: int, group: dict, t: int) -> None:
         """Warm-up: the EMA of each param's trust ratio; at freeze_step, v' starts as a copy of v."""

@@ -278,12 +278,6 @@ class ZeroOneAdam(OneBitBase, FusedAdam):
             self._lrs[gi] = 0.0
         self._finish(params, states, group)
 
-    def _finish(self, params: list[Tensor], states: list[dict], group: dict) -> None:
-        copies = [(p, s["master_param"]) for s, p in zip(states, params) if "master_param" in s]
-        if copies:
-            torch._foreach_copy_([p.data for p, _ in copies], [m for _, m in copies])
-        self._advance(group)
-
     # -- state -------------------------------------------------------------------------
     def _rank_state(self) -> dict:
         return {"lrs": dict(self._lrs)}
