@@ -21,7 +21,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("fastzero.ops",)),
     ("config", ("fastzero.config", "fastzero.config_keys")),
     ("comm", ("fastzero.comm",)),
-    ("parallel", ("fastzero.parallel",)),  # topology, tensor-parallel layers, activation checkpointing
+    (
+        "parallel",
+        ("fastzero.parallel", "fastzero.pipe"),
+    ),  # topology, tensor-parallel layers, activation checkpointing, pipeline stages
     # the checkpoint's layers with no engine knowledge: the layout on disk, then the manifest
     ("checkpoint files", ("fastzero.runtime.checkpoint_files",)),
     ("checkpoint manifest", ("fastzero.runtime.checkpoint_manifest",)),
