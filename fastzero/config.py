@@ -373,6 +373,25 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """The ``pipeline`` section: how the pipeline engine runs a
+    ``fastzero.pipe.PipelineModule`` (docs/pipeline.md). DeepSpeed's keys
+    are the module's constructor arguments there; fastzero checks them
+    against the module."""
+
+    # the schedule (fastzero.pipe.schedule): auto picks the fastest that fits the memory
+    schedule: str = _opt("auto", "choice", choices=("auto", "1f1b", "interleaved", "zb-h1"))
+    virtual_stages: int | None = _opt(None, "int", low=1, nullable=True)  # must equal the module's (None: its own)
+    p2p_timeout: float = _opt(300.0, "float", low=0.0, low_open=True)  # seconds a stage waits for a neighbour
+    stages: int | str = _opt("auto", "auto_int")  # DeepSpeed's: the module's num_stages ("auto": whatever it has)
+    partition: str = _opt("best", "str")  # DeepSpeed's: accepted, the module's partition_method decides
+    seed_layers: bool = _opt(False, "bool")  # DeepSpeed's: accepted, the module's seed_layers decides
+    activation_checkpoint_interval: int = _opt(0, "int", low=0)  # DeepSpeed's: accepted, the module's decides
+    pipe_partitioned: bool = _opt(True, "bool")  # DeepSpeed's: accepted, activations travel whole (docs)
+    grad_partitioned: bool = _opt(True, "bool")  # DeepSpeed's: accepted, gradients travel whole (docs)
+
+
+@dataclass(frozen=True)
 class Config:
     train_batch_size: int | None = _opt(None, "int", low=1, nullable=True)
     train_micro_batch_size_per_gpu: int | None = _opt(None, "int", low=1, nullable=True)
@@ -403,6 +422,7 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = _section(ActivationCheckpointingConfig)
+    pipeline: PipelineConfig = _section(PipelineConfig)
     # a client optimizer fastzero does not take over (SGD, Adagrad, a custom one) at ZeRO stages 1-3: refused unless
     # true (DeepSpeed's key); with offload_optimizer it runs on the CPU shard only when zero_force_ds_cpu_optimizer
     # is false
@@ -444,6 +464,10 @@ def _check_value(path: str, value: Any, meta: dict) -> Any:
         if not isinstance(value, str) or value.lower() not in meta["choices"]:
             raise ConfigError(f"{path} = {value!r}: must be one of {', '.join(meta['choices'])}")
         return value.lower()
+    if kind == "auto_int":
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ConfigError(f'{path} = {value!r}: must be "auto" or an integer >= 1')
     if kind == "dict":
         if not isinstance(value, dict):
             raise ConfigError(f"{path} = {value!r}: must be an object")

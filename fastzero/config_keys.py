@@ -62,7 +62,7 @@ def refused(why: str) -> Key:
 
 
 # Reasons shared by several keys
-PIPELINE = "fastzero has no pipeline parallelism yet (it lands with issue 16)"
+PIPELINE = "the pipeline engine loads and saves every stage's pieces itself (checkpoints are elastic across layouts)"
 INFERENCE_TP = (
     "DeepSpeed's inference tensor-parallel settings (kernel injection, policies); fastzero trains with AutoTP "
     "(tensor_parallel.autotp_size, fastzero.tp_model_init) or a topology/mpu passed to initialize"
@@ -293,7 +293,9 @@ KEYS: dict[str, Key] = {
         "the save directory is on each node's own disk: each node's first rank writes the shared files there, every "
         "rank its own; a load reads its node's only, at the layout that saved it (docs/checkpoints.md)"
     ),
-    "checkpoint.parallel_write": refused(f"pipeline_stage splits the save by pipeline stage; {PIPELINE}"),
+    "checkpoint.parallel_write": refused(
+        "pipeline_stage splits DeepSpeed's save by pipeline stage; every fastzero rank already writes its own pieces"
+    ),
     "checkpoint.checkpoint_serialization": accepted(
         "true is what fastzero does (torch.save's zipfile format)",
         refuse=(False, "fastzero always writes torch.save's zipfile format; the legacy format is not implemented"),
@@ -340,7 +342,16 @@ KEYS: dict[str, Key] = {
     "comms_logger": refused("DeepSpeed's communication logger is not implemented"),
     "autotuning": refused("DeepSpeed's autotuner is not implemented"),
     # -- parallelism and training techniques not in fastzero -----------------------------------------------------
-    "pipeline": refused(PIPELINE),
+    "pipeline": done("the pipeline engine's settings (docs/pipeline.md)"),
+    "pipeline.schedule": own("1f1b, interleaved, zb-h1, or auto: the fastest that fits the memory"),
+    "pipeline.virtual_stages": own("virtual stages per rank for the interleaved schedule; must equal the module's"),
+    "pipeline.p2p_timeout": own("seconds a stage waits for a neighbour's activation or gradient before it raises"),
+    "pipeline.stages": accepted("PipelineModule's num_stages decides; a number here must equal it"),
+    "pipeline.partition": accepted("PipelineModule's partition_method decides"),
+    "pipeline.seed_layers": accepted("PipelineModule's seed_layers decides"),
+    "pipeline.activation_checkpoint_interval": accepted("PipelineModule's activation_checkpoint_interval decides"),
+    "pipeline.pipe_partitioned": accepted("activations travel whole between stages (no tensor-rank split yet)"),
+    "pipeline.grad_partitioned": accepted("gradients travel whole between stages (no tensor-rank split yet)"),
     "tensor_parallel": done("AutoTP training (docs/parallel.md)"),
     "tensor_parallel.autotp_size": done(
         "initialize shards the model's Linear layers over this many ranks (fastzero.tp_model_init; the data-parallel "

@@ -240,7 +240,7 @@ def test_the_checkpoint_section():
         load_config({**BASE, "checkpoint": {"use_node_local_storage": "yes"}})
     with pytest.raises(ConfigNotSupported, match=r"checkpoint_serialization = false: fastzero always writes"):
         load_config({**BASE, "checkpoint": {"checkpoint_serialization": False}})
-    with pytest.raises(ConfigNotSupported, match=r"checkpoint.parallel_write: .*issue 16"):
+    with pytest.raises(ConfigNotSupported, match=r"checkpoint.parallel_write: .*every fastzero rank already writes"):
         load_config({**BASE, "checkpoint": {"parallel_write": {"pipeline_stage": True}}})
     assert not load_config({**BASE, "checkpoint": {"use_node_local_storage": False}}).checkpoint.use_node_local_storage
 

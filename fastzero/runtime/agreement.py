@@ -75,18 +75,25 @@ def _first_difference(ours: dict, theirs: dict) -> tuple[str, Any, Any]:
     return "the order of the entries", "", ""
 
 
-def check_start(comm: Comm, cfg: Config | None, error: Exception | None, module: torch.nn.Module) -> None:
+def check_start(
+    comm: Comm, cfg: Config | None, error: Exception | None, module: torch.nn.Module, part: int = 0
+) -> None:
     """Raises on every rank when a rank's config failed to load (`error`),
     or when the ranks' resolved configs or models differ: the first
-    differing key or param, with its value on rank 0 and on the first rank
-    that differs."""
+    differing key or param, with its value on the first rank and on the
+    first rank that differs. Models are compared among ranks of the same
+    `part` (a pipeline stage holds other layers than its neighbours)."""
     if comm.world_size == 1:
         if error is not None:
             raise error
         return
     config = describe_config(cfg) if cfg is not None else None
     model = describe_model(module)
-    mine = (None if error is None else f"{type(error).__name__}: {error}", _digest(config or {}), _digest(model))
+    mine = (
+        None if error is None else f"{type(error).__name__}: {error}",
+        _digest(config or {}),
+        (part, _digest(model)),
+    )
     everyone = comm.all_gather_objects(mine)
     failed = [(r, e) for r, (e, _, _) in enumerate(everyone) if e is not None]
     if failed:
@@ -95,13 +102,16 @@ def check_start(comm: Comm, cfg: Config | None, error: Exception | None, module:
         rank, message = failed[0]
         raise RankMismatch(f"rank {rank} could not load its config ({message}); every rank stops")
     for index, what in ((1, "config"), (2, "model")):
-        if all(d[index] == everyone[0][index] for d in everyone):
+        # per rank, the first rank it must agree with: any for the config, the first of its part for the model
+        peer = [0 if index == 1 else next(q for q, e in enumerate(everyone) if e[2][0] == d[2][0]) for d in everyone]
+        if all(d[index] == everyone[p][index] for d, p in zip(everyone, peer)):
             continue
         full = comm.all_gather_objects(config if what == "config" else model)
-        other = next(r for r, d in enumerate(everyone) if d[index] != everyone[0][index])
-        key, a, b = _first_difference(full[0], full[other])
+        other = next(r for r, d in enumerate(everyone) if d[index] != everyone[peer[r]][index])
+        first = peer[other]
+        key, a, b = _first_difference(full[first], full[other])
         label = "config key" if what == "config" else "model entry"
         raise RankMismatch(
-            f"the ranks started with different {what}s: {label} {key} is {a} on rank 0 and {b} on rank {other}. "
-            f"Start every rank with the same {'config' if what == 'config' else 'model definition'}"
+            f"the ranks started with different {what}s: {label} {key} is {a} on rank {first} and {b} on rank "
+            f"{other}. Start every rank with the same {'config' if what == 'config' else 'model definition'}"
         )

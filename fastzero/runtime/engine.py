@@ -71,21 +71,23 @@ def _param_groups(module: torch.nn.Module, model_parameters, client_optimizer) -
     return out
 
 
-def _tensor_comm(mpu: Any, data: Comm) -> Comm | None:
-    """The tensor group's Comm of `mpu` (None: no mpu, or tensor size 1).
-    The engine trains data x tensor parallel: the two sizes must make up the
-    world (a pipeline needs the pipeline engine)."""
+def _model_comms(mpu: Any, data: Comm) -> tuple[Comm | None, Comm | None]:
+    """The tensor and pipe groups' Comms of `mpu` (None: no mpu, or size 1;
+    an mpu without ``get_pipe_parallel_group`` has no pipe axis). Data x
+    tensor x pipe must make up the world."""
     if mpu is None:
-        return None
+        return None, None
     tensor = Comm(tensor_group(mpu=mpu))
+    pipe_group = getattr(mpu, "get_pipe_parallel_group", None)
+    pipe = Comm(pipe_group()) if pipe_group is not None else None
+    pipes = 1 if pipe is None else pipe.world_size
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if data.world_size * tensor.world_size != world:
+    if data.world_size * tensor.world_size * pipes != world:
         raise ValueError(
-            f"{type(mpu).__name__}: data-parallel size {data.world_size} x tensor size {tensor.world_size} != world "
-            f"size {world}; the engine trains data x tensor parallel, so their product must be the world size "
-            "(pipeline parallelism needs the pipeline engine)"
+            f"{type(mpu).__name__}: data-parallel size {data.world_size} x tensor size {tensor.world_size} x pipe "
+            f"size {pipes} != world size {world}; their product must be the world size"
         )
-    return tensor if tensor.world_size > 1 else None
+    return (tensor if tensor.world_size > 1 else None), (pipe if pipes > 1 else None)
 
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -102,6 +104,8 @@ class Engine(torch.nn.Module):
     ``engine._config``. ``state_dict()``/``load_state_dict()`` are the
     wrapped module's (see there for stage 3).
     """
+
+    _pipelined = False  # the pipeline engine trains over a pipe axis too
 
     def __init__(
         self,
@@ -120,8 +124,14 @@ class Engine(torch.nn.Module):
         # (self.comm); the tensor group sees only the gradient norm's scalars (self.tensor_comm)
         self.mpu = mpu
         self.comm = comm or Comm(data_group(mpu=mpu) if mpu is not None else None)
-        self.tensor_comm = _tensor_comm(mpu, self.comm)
-        self.world_comm = self.comm if self.tensor_comm is None else Comm()  # checkpoints span every rank
+        self.tensor_comm, self.pipe_comm = _model_comms(mpu, self.comm)
+        if self.pipe_comm is not None and not self._pipelined:
+            raise ConfigError(
+                f"the topology has pipe={self.pipe_comm.world_size}: the model must be a fastzero.pipe.PipelineModule "
+                "(trained with engine.train_batch), or use pipe=1"
+            )
+        model_parallel = self.tensor_comm is not None or self.pipe_comm is not None
+        self.world_comm = Comm() if model_parallel else self.comm  # checkpoints span every rank
         self.dp_world_size = self.comm.world_size
         self.mp_world_size = 1 if self.tensor_comm is None else self.tensor_comm.world_size
         self.stage = cfg.zero_optimization.stage
@@ -134,7 +144,7 @@ class Engine(torch.nn.Module):
         self.dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else torch.float32
         self.device = self.comm.device
         self.module = module.to(device=self.device, dtype=self.dtype)
-        groups = _param_groups(self.module, model_parameters, optimizer)
+        groups = self._split_groups(_param_groups(self.module, model_parameters, optimizer))
         names = {id(p): n for n, p in self.module.named_parameters()}
         self._sync_module_state()
         zero = cfg.zero_optimization
@@ -195,10 +205,10 @@ class Engine(torch.nn.Module):
             master_weights=self.dtype != torch.float32,
         )
         self.onebit = isinstance(self.optimizer, OneBitBase)  # the 1-bit family
-        if self.onebit and self.tensor_comm is not None:
+        if self.onebit and model_parallel:
             raise ConfigError(
-                f"{type(self.optimizer).__name__} with tensor parallelism (tensor size {self.mp_world_size}) is not "
-                "supported: its compressed exchange ignores the tensor split; use Adam/AdamW or tensor size 1"
+                f"{type(self.optimizer).__name__} with tensor or pipeline parallelism is not supported: its "
+                "compressed exchange ignores the model split; use Adam/AdamW, or tensor and pipe size 1"
             )
         if self.onebit:  # the engine reduces warm-up grads, agrees on overflows, clips; at stage 1 it compresses
             shards = None if self.stage == 0 else [g.shard_map() for g in self.groups]  # per-param math on chunks
@@ -239,6 +249,11 @@ class Engine(torch.nn.Module):
             except AttributeError:
                 pass
         raise AttributeError(f"neither the engine nor its wrapped module has an attribute {name!r}")
+
+    def _split_groups(self, groups: list[dict]) -> list[dict]:
+        """The param groups the engine shards, from the optimizer's (the
+        pipeline engine gives each tied weight a group of its own)."""
+        return groups
 
     def _order_check(self) -> Comm:
         """Where stage 3's per-module agreement runs: the data-parallel group
@@ -453,23 +468,31 @@ class Engine(torch.nn.Module):
         fastzero.ops.norms: one fp32 norm of the whole flat buffer comes out
         low and over-scales the clipped step), one tiny all-reduce (stages
         1-3). inf/NaN anywhere gives a non-finite norm: the overflow check."""
-        if self.tensor_comm is not None:
-            return self._tensor_parallel_grad_norm()
+        if self.tensor_comm is not None or self.pipe_comm is not None:
+            return self._model_parallel_grad_norm()
         sumsq = float(sum(sum_of_squares(g.grads()) for g in self.groups))
         if self.stage >= 1:
             (sumsq,) = self.comm.all_reduce_scalars([sumsq], tag="norm")
         return math.sqrt(sumsq) if sumsq >= 0 else float("nan")
 
-    def _tensor_parallel_grad_norm(self) -> float:
-        """With a tensor group: the sums of squares of split params
+    def _counted(self, group: ZeroGroup) -> bool:
+        """Whether `group`'s gradients count in the norm here (the pipeline
+        engine counts a tied weight on one of the stages that hold it)."""
+        return True
+
+    def _model_parallel_grad_norm(self) -> float:
+        """With a tensor or pipe group: the sums of squares of split params
         (``is_tensor_parallel``) and of replicated ones, taken apart per
         owned piece and summed over the data group; then over the tensor
         group the split ones' sum, plus the replicated ones' from tensor
         rank 0 only (every tensor rank holds the same replicated gradient),
-        and a flag for a non-finite replicated gradient on any rank, so that
-        every rank of the world agrees on an overflow."""
+        and a flag for a non-finite replicated gradient on any rank; then
+        the same over the pipe group (each stage holds other params), so that
+        every rank of the world agrees on the norm and on an overflow."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # split, replicated: one host sync at the end
         for g in self.groups:
+            if not self._counted(g):
+                continue
             marked = {n for n, p in zip(g.names, g.params) if is_tensor_parallel(p)}
             for piece in g.owned(g.optimizer_params()):
                 grad = piece.opt_param.grad
@@ -479,9 +502,11 @@ class Engine(torch.nn.Module):
         split, whole = sums.tolist()
         if self.stage >= 1:
             split, whole = self.comm.all_reduce_scalars([split, whole], tag="norm")
-        counted = split + (whole if self.tensor_comm.rank == 0 else 0.0)
-        bad = 0.0 if math.isfinite(whole) else 1.0
-        counted, bad = self.tensor_comm.all_reduce_scalars([counted, bad], tag="norm")
+        tensor_rank = 0 if self.tensor_comm is None else self.tensor_comm.rank
+        counted, bad = split + (whole if tensor_rank == 0 else 0.0), 0.0 if math.isfinite(whole) else 1.0
+        for comm in (self.tensor_comm, self.pipe_comm):
+            if comm is not None:
+                counted, bad = comm.all_reduce_scalars([counted, bad], tag="norm")
         return math.sqrt(counted) if counted >= 0 and bad == 0 else float("nan")
 
     def _compressing(self) -> bool:
@@ -694,10 +719,10 @@ class Engine(torch.nn.Module):
         )
 
     def _refuse_tensor_parallel(self, what: str) -> None:
-        # each tensor rank holds its own pieces of the split params: one file would need them gathered
-        if self.tensor_comm is not None:
+        # each tensor rank (pipeline stage) holds its own pieces (layers): one file would need them gathered
+        if self.tensor_comm is not None or self.pipe_comm is not None:
             raise NotImplementedError(
-                f"{what} with tensor parallelism (tensor size {self.mp_world_size}): save_checkpoint, then write the "
+                f"{what} with tensor or pipeline parallelism: save_checkpoint, then write the "
                 "unsplit model with `python -m fastzero.checkpoint consolidate` (or fastzero.utils.zero_to_fp32)"
             )
 
@@ -777,6 +802,16 @@ def initialize(
     elif topology is not None:
         raise TypeError(f"initialize(topology=...) takes a fastzero.parallel.Topology, not {type(topology).__name__}")
     parallel = topology if topology is not None else mpu if mpu is not None else current()
+    from fastzero.pipe.module import PipelineModule
+
+    pipelined = isinstance(model, PipelineModule)
+    if pipelined:  # the module's topology, built with it: pipe outermost
+        if (topology is not None or mpu is not None) and parallel is not model.topology:
+            raise ValueError(
+                "initialize(): a PipelineModule trains over the topology it was built with; pass it as "
+                "PipelineModule(topology=...) and leave topology=/mpu= out"
+            )
+        parallel = model.topology
     tp = autotp_size(config)  # tensor_parallel.autotp_size: AutoTP here, unless the model is sharded already
     if tp > 1:
         from fastzero.parallel.autotp import tp_model_init
@@ -796,16 +831,15 @@ def initialize(
                 f"{exc} (the world size in the batch arithmetic is the data-parallel size, {comm.world_size} of "
                 f"{world.world_size} ranks)"
             )
-    check_start(world, cfg, error, model)  # every rank raises if any rank's config or model differs
-    engine = Engine(
-        model,
-        cfg,
-        model_parameters=model_parameters,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        comm=comm,
-        mpu=parallel,
-    )
+    # every rank raises if any rank's config, or the model of any rank of its pipeline stage, differs
+    check_start(world, cfg, error, model, part=model.stage_id if pipelined else 0)
+    kwargs = dict(model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, comm=comm)
+    if pipelined:
+        from fastzero.runtime.pipe_engine import PipelineEngine  # it builds on this module
+
+        engine = PipelineEngine(model, cfg, **kwargs)
+    else:
+        engine = Engine(model, cfg, mpu=parallel, **kwargs)
     if parallel is not None:
         set_current(parallel)  # the parallel layers' default from now on
     loader = None

@@ -100,4 +100,4 @@ def test_a_model_partitioned_over_other_ranks_is_refused(results):
 
 def test_an_mpu_whose_sizes_do_not_make_the_world_is_refused(results):
     for message in results["bad_mpu"]:
-        assert "data-parallel size 4 x tensor size 2 != world size 4" in message, message
+        assert "data-parallel size 4 x tensor size 2 x pipe size 1 != world size 4" in message, message

@@ -1,0 +1,85 @@
+"""The pipeline engine trains as one process does (4 Gloo ranks): each
+schedule (1f1b, interleaved, zb-h1) at pipe 2 x data 2 and pipe 4, with a
+tied weight on the first and last stages, gradient clipping by the norm
+over every stage, ZeRO stages 0-2 over the data axis; bf16 tracks fp32; a
+non-finite gradient on one stage skips the step on every rank; misuse is
+refused with the fix."""
+
+import json
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.paths import WORKERS
+
+WORLD = 4
+TOL = dict(rtol=1e-5, atol=1e-6)
+BASE = {"blocks": 6, "micro_batches": 4, "steps": 4, "clip": 0.05, "tied": True}
+
+RUNS = {
+    "1f1b-p2-z0": {"schedule": "1f1b", "stages": 2, "zero": 0},
+    "1f1b-p4-z1": {"schedule": "1f1b", "stages": 4, "zero": 1},
+    "1f1b-p2-z2": {"schedule": "1f1b", "stages": 2, "zero": 2},
+    "interleaved-p2-z1": {"schedule": "interleaved", "stages": 2, "virtual": 2, "zero": 1},
+    "interleaved-p4-z0": {"schedule": "interleaved", "stages": 4, "virtual": 2, "zero": 0, "micro_batches": 8},
+    "zb-h1-p2-z2": {"schedule": "zb-h1", "stages": 2, "zero": 2},
+    "zb-h1-p4-z0": {"schedule": "zb-h1", "stages": 4, "zero": 0, "micro_batches": 6},
+    "untied-p2-z1": {"schedule": "1f1b", "stages": 2, "zero": 1, "tied": False},
+    "bf16": {"schedule": "1f1b", "stages": 2, "zero": 1, "dtype": "bf16"},
+    "skip": {"schedule": "zb-h1", "stages": 2, "zero": 1, "inf_at": 1, "inf_stage": 1},
+    "bad-interleaved": {"schedule": "interleaved", "stages": 2, "expect_error": True},
+}
+EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in ("bf16", "skip")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every run in one start of 4 ranks (starting them is most of the time)."""
+    tmp = tmp_path_factory.mktemp("pipe")
+    runs = [dict(BASE, **r, out=str(tmp / f"run{i}")) for i, r in enumerate(RUNS.values())]
+    spec = tmp / "runs.json"
+    spec.write_text(json.dumps(runs))
+    run_ranks(WORKERS / "pipe_train.py", WORLD, [spec], timeout=900)
+    return {key: [torch.load(f"{r['out']}.rank{k}.pt") for k in range(WORLD)] for key, r in zip(RUNS, runs)}
+
+
+@pytest.mark.parametrize("key", EXACT)
+def test_matches_single_process_adamw(results, key):
+    ref = results[key][0]["reference"]
+    run = dict(BASE, **RUNS[key])
+    assert all(n > run["clip"] for n in ref["norms"]), "the test must clip every step"
+    data = WORLD // run["stages"]
+    held = {d: set() for d in range(data)}
+    for rank, res in enumerate(results[key]):
+        assert res["schedule"] == run["schedule"] and res["dp_world_size"] == data
+        where = f"{key} rank {rank} (stage {res['stage']})"
+        for name, value in res["initial"].items():
+            torch.testing.assert_close(value, ref["initial"][name], rtol=0, atol=0, msg=lambda m, w=where: f"{w} {m}")
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), **TOL)
+        torch.testing.assert_close(torch.tensor(res["norms"]), torch.tensor(ref["norms"]), **TOL)
+        for name, value in res["params"].items():
+            want = ref["params"][name]
+            torch.testing.assert_close(value, want, **TOL, msg=lambda m, n=name, w=where: f"{w} {n}: {m}")
+        held[res["data_rank"]] |= set(res["params"])
+    for names in held.values():  # the stages of one data rank hold the whole model between them
+        assert names == set(ref["params"])
+
+
+def test_bf16_tracks_fp32(results):
+    ref = results["bf16"][0]["reference"]
+    for res in results["bf16"]:
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
+        for name, value in res["params"].items():
+            torch.testing.assert_close(value, ref["params"][name], rtol=0, atol=3e-2)
+
+
+def test_a_non_finite_gradient_on_one_stage_skips_the_step_everywhere(results):
+    for res in results["skip"]:
+        assert res["skipped"] == [0, 1, 1, 1], res["skipped"]
+        assert res["norms"][1] != res["norms"][1] or res["norms"][1] == float("inf")
+
+
+def test_interleaved_without_virtual_stages_is_refused(results):
+    for res in results["bad-interleaved"]:
+        assert "virtual_stages >= 2" in res["error"], res["error"]
