@@ -297,8 +297,9 @@ def default_schedule(
     micro_batches: int, stages: int, virtual_stages: int = 1, memory_limit_in_flight: float | None = None
 ) -> str:
     """The fastest schedule (least simulated makespan, ``DEFAULT_COSTS``) whose
-    peak in-flight activations fit ``memory_limit_in_flight``, counted in one
-    micro-batch's activations for a whole stage (a chunk's count 1/v). Tries
+    peak held activations (``peak_held``) fit ``memory_limit_in_flight``,
+    counted in one micro-batch's activations for a whole stage (a chunk's
+    count 1/v). Tries
     "1f1b", "zb-h1", and "interleaved" when virtual_stages >= 2 and valid; ties
     go to the earlier. "1f1b" and "zb-h1" run one chunk per rank."""
     names = ["1f1b", "zb-h1"]
@@ -313,7 +314,8 @@ def default_schedule(
             if name == "interleaved":
                 continue  # (m, p, v) it cannot run; the others can
             raise
-        memory = Fraction(max(result.peak_in_flight), v)
+        # activations held until the last backward half: ZB's W still needs its inputs
+        memory = Fraction(max(result.peak_held), v)
         needed = memory if needed is None else min(needed, memory)
         if memory_limit_in_flight is not None and memory > memory_limit_in_flight:
             continue
