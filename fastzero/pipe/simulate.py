@@ -12,6 +12,7 @@ take the sends in the order they were issued.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -279,6 +280,33 @@ def _deadlock(lists: list[list[PipeInstruction]], pc: list[int], p: int, v: int)
     return "deadlock: " + "; ".join(waits)
 
 
+def timeline_table(result: SimResult) -> str:
+    """One row per stage, one column per time unit (the gcd of the compute
+    times): each compute op as its tag (F3 = forward of micro-batch 3, B, BI, W;
+    ``.c`` the chunk when v > 1), an op spanning n units repeated n times, idle
+    as ``.``."""
+    spans = [(a, b, i) for row in result.timeline for a, b, i in row if b > a]
+    unit = Fraction(0)
+    for a, b, _ in spans:
+        for x in (a, b - a):
+            unit = Fraction(
+                math.gcd(unit.numerator * x.denominator, x.numerator * unit.denominator),
+                unit.denominator * x.denominator,
+            )
+    width = int(result.makespan / unit) if unit else 0
+    chunked = any(i.chunk for _, _, i in spans)
+    lines = []
+    for s, row in enumerate(result.timeline):
+        cells = ["."] * width
+        for a, b, ins in row:
+            tag = repr(ins).split("@")[0]
+            tag = tag if chunked else tag.split(".")[0]
+            for k in range(int(a / unit), int(b / unit)):
+                cells[k] = tag
+        lines.append(f"stage {s}: " + " ".join(f"{c:<5}" for c in cells).rstrip())
+    return "\n".join(lines)
+
+
 def simulate_schedule(
     name: str,
     micro_batches: int,
@@ -330,4 +358,12 @@ def default_schedule(
     return best[1]
 
 
-__all__ = ["DEFAULT_COSTS", "ScheduleError", "SimResult", "simulate", "simulate_schedule", "default_schedule"]
+__all__ = [
+    "DEFAULT_COSTS",
+    "ScheduleError",
+    "SimResult",
+    "simulate",
+    "simulate_schedule",
+    "timeline_table",
+    "default_schedule",
+]

@@ -34,7 +34,13 @@ from fastzero.pipe.schedule import (
     interleaved_in_flight_bound,
     make_schedule,
 )
-from fastzero.pipe.simulate import ScheduleError, default_schedule, simulate, simulate_schedule
+from fastzero.pipe.simulate import (
+    ScheduleError,
+    default_schedule,
+    simulate,
+    simulate_schedule,
+    timeline_table,
+)
 
 # DeepSpeed's step lists, printed from deepspeed/runtime/pipe/schedule.py
 # (TrainSchedule / InferenceSchedule, deepspeedai/DeepSpeed master, Dec 2026) run
@@ -252,6 +258,12 @@ def test_simulated_timeline_of_1f1b():
         [(1, "F0.0@0"), (2, "B0.0@0"), (4, "F1.0@1"), (5, "B1.0@1")],
     ]
     assert result.makespan == 9 and result.idle == [3, 3] and result.bubble_fraction == Fraction(1, 3)
+    assert timeline_table(result).splitlines() == [
+        "stage 0: F0    F1    .     .     B0    B0    .     B1    B1",
+        "stage 1: .     F0    B0    B0    F1    B1    B1    .     .",
+    ]
+    half = simulate_schedule("interleaved", 2, 2, 2)  # chunks take 1/2: F = 1/2, B = 1
+    assert timeline_table(half).splitlines()[0].startswith("stage 0: F0.0  F1.0  F0.1  F1.1  .     .     B0.1  B0.1")
     with_comm = simulate_schedule("1f1b", 2, 2, costs={"comm": 1})
     assert with_comm.makespan > result.makespan
 
