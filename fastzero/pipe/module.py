@@ -283,6 +283,8 @@ class PipelineModule(nn.Module):
         self._check_tied_specs()
         self.chunks = [self._build_chunk(c) for c in range(virtual_stages)]  # a list: not submodules
         self.forward_funcs = [f for chunk in self.chunks for f in chunk.forward_funcs]
+        for p in self.parameters():  # DeepSpeed's mark; _index_tied_modules sets it on tied copies
+            p.ds_pipe_replicated = False
         self._tied = self._index_tied_modules()
         self._synchronize_tied_weights()
 
