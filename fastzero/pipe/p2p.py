@@ -1,0 +1,495 @@
+"""Point-to-point transport between pipeline stages: asynchronous sends and
+receives of activations and gradients (a tensor, or tuples / lists / dicts
+of tensors and picklable non-tensor values), over Gloo or NCCL.
+
+Channels. A message travels on a channel ``(src, dst, kind)``; ``kind`` ("act",
+"grad", ...) maps to a transport tag, so channels between the same two ranks
+never mix, and messages on one channel arrive in the order they were sent.
+
+Protocol. Each end of a channel keeps the channel's *signature*: the
+structure of the object, its non-tensor leaves, and each tensor's shape,
+dtype and ``requires_grad``. The sender remembers the last signature it sent,
+which is, messages being ordered, the one the receiver holds. Every message is
+a *frame* laid out by the signature both ends hold:
+
+* packed (payload <= :data:`PACK_LIMIT` bytes): one uint8 buffer, every
+  tensor's bytes at 16-byte aligned offsets, then an 8-byte control word;
+* split (larger payloads): an 8-byte control word, then one message per
+  non-empty tensor, sent from and received into the tensors themselves (no
+  copy).
+
+The control word is 0 for data. When the signature changes, the sender sends
+one frame in the *old* layout whose control word is the length ``k`` of the
+new pickled signature (its payload bytes are not read), then the signature
+(``k`` bytes), then the data in the new layout. A channel starts with the
+empty signature (a packed frame of just the control word). So the receiver
+always knows the sizes of what it posts, posts them when :meth:`P2P.irecv` is
+called, and never takes a payload under a stale signature.
+
+Cost per message in steady state: one message on the wire with 8 extra bytes
+(packed: plus one copy of the payload on each side, cheaper than a second
+message below :data:`PACK_LIMIT` on Gloo), or one 8-byte message plus one per
+tensor (split). A signature change costs one frame of the old size, plus one
+message of the pickled signature. Non-tensor leaves belong to the signature:
+a value that changes every message re-sends the signature every message.
+
+Order on NCCL. NCCL ignores tags and matches sends and receives between two
+ranks in the order they are posted, so on NCCL the two ends must post the
+messages of different channels in the same order (a pipeline schedule does).
+
+Failure. ``wait()`` waits at most ``timeout`` seconds, then raises
+:class:`PipelineTimeout` naming the peer, the channel and what it waited for;
+a peer whose process died raises :class:`PipelinePeerError` as soon as the
+transport notices. After either, the :class:`P2P` object refuses further use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# Payloads up to this many bytes travel packed in one buffer with the control
+# word: on Gloo a second message costs ~100 us, copying 64 KiB a few us.
+PACK_LIMIT = 64 << 10
+_ALIGN = 16  # tensor offsets in a packed frame: any dtype can view its bytes
+_CONTROL = 8  # bytes of the control word (one int64)
+_TAG_BITS = 0x3FFFFFFF  # tags stay positive int32
+_HINT_TIMEOUT = (
+    "The peer stage probably raised or died, or runs a schedule that does not match this one: "
+    "check its log (a slow stage needs a larger P2P timeout)."
+)
+
+
+class PipelinePeerError(RuntimeError):
+    """A pipeline send or receive failed because of the peer stage."""
+
+
+class PipelineTimeout(PipelinePeerError):
+    """A pipeline send or receive did not complete within the timeout."""
+
+
+class _Slot:
+    """Where a tensor sits in a message's structure (in the pickled signature)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __getstate__(self):
+        return self.index
+
+    def __setstate__(self, index):
+        self.index = index
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class _Layout:
+    """A signature's frame: packed offsets, or the split tensors."""
+
+    def __init__(self, skeleton, specs: list[_Spec]) -> None:
+        self.skeleton, self.specs = skeleton, specs
+        self.payload = sum(s.nbytes for s in specs)
+        self.packed = self.payload <= PACK_LIMIT
+        self.offsets, end = [], 0
+        for s in specs:
+            end = _align(end, _ALIGN)
+            self.offsets.append(end)
+            end += s.nbytes
+        self.frame = _align(end, _CONTROL) + _CONTROL  # packed frame bytes
+
+
+_EMPTY = _Layout(None, [])  # a channel before its first message
+
+
+def _flatten(obj, tensors: list[Tensor], path: str):
+    """The object's skeleton (tensors replaced by slots) and its tensors, in order."""
+    if isinstance(obj, Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if type(obj) in (tuple, list):
+        return type(obj)(_flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_flatten(v, tensors, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
+    if type(obj) is dict:
+        return {k: _flatten(v, tensors, f"{path}[{k!r}]") for k, v in obj.items()}
+    return obj
+
+
+def _check_picklable(obj, path: str) -> None:
+    """Raises naming the first leaf of `obj` that pickle refuses."""
+    if isinstance(obj, Tensor):
+        return
+    if isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            _check_picklable(v, f"{path}[{i}]")
+        return
+    if type(obj) is dict:
+        for k, v in obj.items():
+            _check_picklable(v, f"{path}[{k!r}]")
+        return
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:
+        raise TypeError(
+            f"p2p: the value at {path} ({type(obj).__name__}) cannot be pickled ({exc}); a message holds "
+            "tensors in tuples, lists and dicts, and picklable non-tensor values: pass that value another way"
+        ) from exc
+
+
+def _build(skeleton, tensors: list[Tensor]):
+    if isinstance(skeleton, _Slot):
+        return tensors[skeleton.index]
+    if type(skeleton) in (tuple, list):
+        return type(skeleton)(_build(v, tensors) for v in skeleton)
+    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
+        return type(skeleton)(*(_build(v, tensors) for v in skeleton))
+    if type(skeleton) is dict:
+        return {k: _build(v, tensors) for k, v in skeleton.items()}
+    return skeleton
+
+
+@dataclass
+class ChannelBytes:
+    """What one channel end moved: frames, tensor payload bytes, signature
+    bytes (pickled signatures and the old-layout frames announcing them), and
+    control-word bytes (8 per frame)."""
+
+    messages: int = 0
+    payload: int = 0
+    meta: int = 0
+    control: int = 0
+    signatures: int = 0  # how many times the signature was (re)sent
+
+    @property
+    def total(self) -> int:
+        return self.payload + self.meta + self.control
+
+
+class _SendChannel:
+    def __init__(self) -> None:
+        self.sig: bytes | None = None
+        self.layout = _EMPTY
+
+
+class _RecvChannel:
+    """The receiving end of one channel: a thread posts and completes its
+    frames in order, so a signature change is followed through (signature,
+    then the new layout) without the caller's wait; a message's receive is
+    posted as soon as the one before it on the channel is in."""
+
+    def __init__(self, p2p: P2P, src: int, kind: str) -> None:
+        self.p2p, self.src, self.kind = p2p, src, kind
+        self.layout = _EMPTY
+        self.queue: queue.SimpleQueue[RecvHandle | None] = queue.SimpleQueue()
+        self.error: PipelinePeerError | None = None
+        self.thread = threading.Thread(target=self._run, name=f"p2p-recv-{src}-{kind}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (handle := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    handle.value = self._receive(handle)
+                except PipelinePeerError as exc:
+                    self.error = exc
+                except Exception as exc:  # a frame that does not decode: the ends are out of step
+                    self.error = PipelinePeerError(
+                        f"rank {self.p2p.rank}: a message from rank {self.src} on channel {self.kind!r} did not "
+                        f"decode ({type(exc).__name__}: {exc}); do both ends run the same schedule?"
+                    )
+            handle.error = self.error
+            handle.event.set()
+
+    def _frame(self, handle: RecvHandle) -> list[Tensor]:
+        """Posts and completes the frame the channel's signature says comes next."""
+        layout, p = self.layout, self.p2p
+        if layout.packed:
+            buffers = [torch.empty(layout.frame, dtype=torch.uint8, device=p.device)]
+        else:
+            control = torch.empty(1, dtype=torch.int64, device=p.device)
+            buffers = [control, *(torch.empty(s.shape, dtype=s.dtype, device=p.device) for s in layout.specs)]
+        works = [p._irecv(b, self.src, self.kind) for b in buffers if b.numel()]
+        for work in works:
+            p._wait(work, None, self.src, self.kind, f"{handle.what} from rank {self.src}")
+        return buffers
+
+    def _receive(self, handle: RecvHandle):
+        p, stats = self.p2p, self.p2p.stats[("recv", self.src, self.kind)]
+        while True:
+            layout = self.layout
+            handle.what = f"a message ({layout.frame if layout.packed else layout.payload} B)"
+            buffers = self._frame(handle)
+            if layout.packed:
+                k = int(buffers[0][-_CONTROL:].view(torch.int64).item())
+            else:
+                k = int(buffers[0].item())
+            p._count(stats, layout, data=k == 0)
+            if k == 0:
+                break
+            handle.what = f"a signature of {k} B"
+            sig = torch.empty(k, dtype=torch.uint8, device=p.device)
+            p._wait(
+                p._irecv(sig, self.src, self.kind), None, self.src, self.kind, f"{handle.what} from rank {self.src}"
+            )
+            skeleton, specs = pickle.loads(sig.cpu().numpy().tobytes())
+            self.layout = _Layout(skeleton, specs)
+            stats.meta += k
+            stats.signatures += 1
+        if layout.packed:
+            frame = buffers[0]
+            tensors = [
+                frame[o : o + s.nbytes].view(s.dtype).view(s.shape).detach()
+                for o, s in zip(layout.offsets, layout.specs)
+            ]
+        else:
+            tensors = buffers[1:]
+        for t, s in zip(tensors, layout.specs):
+            t.requires_grad_(s.requires_grad)
+        return _build(layout.skeleton, tensors)
+
+
+class SendHandle:
+    """An in-flight send; :meth:`wait` returns when the message has left.
+    The sent tensors must not change until then (split frames send from them)."""
+
+    def __init__(self, p2p: P2P, dst: int, kind: str, works: list, keep: list) -> None:
+        self.p2p, self.dst, self.kind, self.works, self.keep = p2p, dst, kind, works, keep
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.p2p._check_usable()
+        deadline = time.monotonic() + self.p2p.timeout
+        for work in self.works:
+            self.p2p._wait(work, deadline, self.dst, self.kind, f"rank {self.dst} to receive a message")
+        self.done, self.works, self.keep = True, [], []
+
+    def is_completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
+
+
+class RecvHandle:
+    """A posted receive; :meth:`wait` returns the message."""
+
+    def __init__(self, p2p: P2P, src: int, kind: str) -> None:
+        self.p2p, self.src, self.kind = p2p, src, kind
+        self.event = threading.Event()
+        self.what = "the message before this one on the channel"
+        self.value, self.error = None, None
+
+    def is_completed(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self):
+        p = self.p2p
+        if not self.event.is_set():
+            p._check_usable()
+            if not self.event.wait(p.timeout):
+                p._failed = PipelineTimeout(
+                    f"rank {p.rank} waiting for {self.what} from rank {self.src} on channel {self.kind!r}: "
+                    f"nothing within {p.timeout:g} s. {_HINT_TIMEOUT}"
+                )
+                raise p._failed
+        if self.error is not None:
+            p._failed = self.error
+            raise self.error
+        return self.value
+
+
+class P2P:
+    """Sends and receives between pipeline stages over `group` (the world
+    when None); ranks are global ranks. `device`: where received tensors are
+    allocated and sent tensors travel from (default: the current CUDA device
+    on NCCL, else the CPU). `timeout`: seconds a ``wait()`` may take."""
+
+    def __init__(self, *, timeout: float = 300.0, device=None, group=None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("P2P needs torch.distributed initialized: call fastzero.init_distributed() first")
+        if not timeout > 0:
+            raise ValueError(f"P2P timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout, self.group = float(timeout), group
+        self.rank = dist.get_rank()
+        self.ranks = set(dist.get_process_group_ranks(group)) if group is not None else None
+        self.nccl = dist.get_backend(group) == "nccl"
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.nccl else torch.device("cpu")
+        self.device = torch.device(device)
+        self.stats: dict[tuple[str, int, str], ChannelBytes] = {}  # (direction, peer, kind) -> bytes
+        self._send: dict[tuple[int, str], _SendChannel] = {}
+        self._recv: dict[tuple[int, str], _RecvChannel] = {}
+        self._tags: dict[int, str] = {}
+        self._failed: PipelinePeerError | None = None
+
+    # -- public -----------------------------------------------------------
+
+    def isend(self, obj, dst: int, kind: str) -> SendHandle:
+        """Sends `obj` to global rank `dst` on channel `kind`, without waiting."""
+        self._check_usable()
+        self._check_peer(dst, kind, "dst")
+        tensors: list[Tensor] = []
+        skeleton = _flatten(obj, tensors, "obj")
+        specs = [_Spec(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
+        try:
+            sig = pickle.dumps((skeleton, specs))
+        except Exception:
+            _check_picklable(obj, "obj")
+            raise
+        channel = self._send.setdefault((dst, kind), _SendChannel())
+        stats = self.stats.setdefault(("send", dst, kind), ChannelBytes())
+        works, keep = [], []
+        if sig != channel.sig:  # announce in the layout the receiver holds, then the signature
+            announce = self._frame(channel.layout, None, len(sig))
+            works += [self._isend(b, dst, kind) for b in announce if b.numel()]
+            meta = torch.frombuffer(bytearray(sig), dtype=torch.uint8).to(self.device)
+            works.append(self._isend(meta, dst, kind))
+            keep += [*announce, meta]
+            self._count(stats, channel.layout, data=False)
+            stats.meta += len(sig)
+            stats.signatures += 1
+            channel.sig, channel.layout = sig, _Layout(skeleton, specs)
+        frame = self._frame(channel.layout, tensors, 0)
+        works += [self._isend(b, dst, kind) for b in frame if b.numel()]
+        keep += frame
+        self._count(stats, channel.layout, data=True)
+        return SendHandle(self, dst, kind, works, keep)
+
+    def irecv(self, src: int, kind: str) -> RecvHandle:
+        """Posts a receive from global rank `src` on channel `kind`."""
+        self._check_usable()
+        self._check_peer(src, kind, "src")
+        channel = self._recv.get((src, kind))
+        if channel is None:
+            self.stats.setdefault(("recv", src, kind), ChannelBytes())  # before the thread counts into it
+            channel = self._recv[(src, kind)] = _RecvChannel(self, src, kind)
+        handle = RecvHandle(self, src, kind)
+        channel.queue.put(handle)
+        return handle
+
+    def close(self) -> None:
+        """Stops the receiving threads once the receives posted so far are in."""
+        for channel in self._recv.values():
+            channel.queue.put(None)
+        self._recv = {}
+
+    def totals(self, direction: str | None = None) -> ChannelBytes:
+        """Bytes summed over channels (`direction` "send" or "recv", or both)."""
+        out = ChannelBytes()
+        for (d, _, _), c in self.stats.items():
+            if direction in (None, d):
+                out.messages += c.messages
+                out.payload += c.payload
+                out.meta += c.meta
+                out.control += c.control
+                out.signatures += c.signatures
+        return out
+
+    # -- internals ----------------------------------------------------------
+
+    def _frame(self, layout: _Layout, tensors: list[Tensor] | None, control: int) -> list[Tensor]:
+        """The buffers of one frame in `layout`; `tensors` None: an announcement
+        whose payload bytes are not read."""
+        if layout.packed:
+            frame = torch.empty(layout.frame, dtype=torch.uint8, device=self.device)
+            for t, o, s in zip(tensors or (), layout.offsets, layout.specs):
+                frame[o : o + s.nbytes].view(s.dtype).view(s.shape).copy_(t.detach())
+            frame[-_CONTROL:].view(torch.int64).fill_(control)
+            return [frame]
+        head = torch.full((1,), control, dtype=torch.int64, device=self.device)
+        if tensors is None:
+            return [head, *(torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in layout.specs)]
+        return [head, *(t.detach().to(self.device).contiguous() for t in tensors)]
+
+    def _tag(self, kind: str) -> int:
+        tag = zlib.crc32(kind.encode()) & _TAG_BITS
+        other = self._tags.setdefault(tag, kind)
+        if other != kind:
+            raise ValueError(f"p2p kinds {other!r} and {kind!r} map to the same tag {tag}: rename one")
+        return tag
+
+    def _isend(self, t: Tensor, dst: int, kind: str):
+        return dist.isend(t, dst, group=self.group, tag=self._tag(kind))
+
+    def _irecv(self, t: Tensor, src: int, kind: str):
+        return dist.irecv(t, src, group=self.group, tag=self._tag(kind))
+
+    @staticmethod
+    def _count(stats: ChannelBytes, layout: _Layout, data: bool) -> None:
+        stats.messages += 1
+        stats.control += _CONTROL
+        frame = layout.frame - _CONTROL if layout.packed else layout.payload
+        if data:
+            stats.payload += frame
+        else:
+            stats.meta += frame
+
+    def _wait(self, work, deadline: float | None, peer: int, kind: str, what: str) -> None:
+        """Waits for `work` until `deadline` (None: as long as the process
+        group allows, in a receiving thread whose caller keeps the time)."""
+        try:
+            if self.nccl:  # NCCL's wait() only orders streams: poll for completion on the host
+                while not work.is_completed():
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(1e-4)
+            elif deadline is None:
+                work.wait()
+            elif not work.is_completed():
+                left = deadline - time.monotonic()
+                if left <= 0 or not work.wait(datetime.timedelta(seconds=left)):
+                    raise TimeoutError
+        except Exception as exc:
+            where = f"rank {self.rank} waiting for {what} on channel {kind!r}"
+            if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
+                error = PipelineTimeout(f"{where}: nothing within {self.timeout:g} s. {_HINT_TIMEOUT}")
+            else:
+                error = PipelinePeerError(
+                    f"{where}: the transport failed ({exc}). The peer stage probably raised or died: check its log."
+                )
+            self._failed = error
+            raise error from (None if isinstance(exc, TimeoutError) else exc)
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise PipelinePeerError(f"this P2P failed earlier and its channels are out of step: {self._failed}")
+
+    def _check_peer(self, peer, kind, name: str) -> None:
+        if not isinstance(kind, str):
+            raise TypeError(f"p2p kind must be a str channel name such as 'act' or 'grad', got {type(kind).__name__}")
+        if not kind:
+            raise ValueError("p2p kind must be a non-empty channel name such as 'act' or 'grad'")
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise TypeError(f"p2p {name} must be a global rank (int), got {type(peer).__name__}")
+        if peer == self.rank:
+            raise ValueError(f"p2p {name}={peer} is this rank: a stage sends to and receives from other ranks only")
+        world = dist.get_world_size()
+        if not 0 <= peer < world or (self.ranks is not None and peer not in self.ranks):
+            where = f"the group's ranks {sorted(self.ranks)}" if self.ranks is not None else f"0..{world - 1}"
+            raise ValueError(f"p2p {name}={peer} is not a rank of {where}: pass a global rank in the group")
