@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import random
 import re
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -155,7 +154,8 @@ class PipelineChunk(nn.Module):
         self.index, self.part, self.start, self.stop = index, part, start, stop
         self.forward_funcs = list(funcs)  # a plain list: not submodules of the chunk
         self._names = list(names)  # each func's PipelineModule name (None for a function)
-        self._owner = weakref.ref(owner)  # no reference cycle through nn.Module registration
+        # kept outside nn.Module's registry: registering the owner would make a cycle of submodules
+        object.__setattr__(self, "_owner", owner)
         self._checkpointable: tuple[int, list[bool]] | None = None
 
     def named_parameters(
@@ -181,7 +181,7 @@ class PipelineChunk(nn.Module):
     def _flags(self, interval: int) -> list[bool]:
         """Whether each block of `interval` layers is checkpointed (cached per interval)."""
         if self._checkpointable is None or self._checkpointable[0] != interval:
-            owner = self._owner()
+            owner = self._owner
             funcs = self.forward_funcs
             flags = [owner._is_checkpointable(funcs[s : s + interval]) for s in range(0, len(funcs), interval)]
             self._checkpointable = (interval, flags)
@@ -197,7 +197,7 @@ class PipelineChunk(nn.Module):
         return run
 
     def forward(self, x: Any) -> Any:
-        owner = self._owner()
+        owner = self._owner
         interval = owner.activation_checkpoint_interval
         n = len(self.forward_funcs)
         if interval == 0:
