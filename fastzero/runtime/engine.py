@@ -333,6 +333,17 @@ class Engine(torch.nn.Module):
         self.timers["forward"] += time.perf_counter() - start
         return out
 
+    def train_batch(self, data_iter=None) -> Tensor:
+        """DeepSpeed's pipeline call, refused here with the fix (the pipeline
+        engine, for a PipelineModule, has it)."""
+        raise TypeError(
+            f"train_batch() runs a pipeline, and this engine's model is a {type(self.module).__name__}, not a "
+            "fastzero.pipe.PipelineModule: train it with loss = engine(batch); engine.backward(loss); "
+            "engine.step(), or build it from LayerSpecs as a PipelineModule (docs/pipeline.md)"
+        )
+
+    eval_batch = train_batch
+
     def register_external_parameter(self, module: torch.nn.Module, param: Tensor) -> None:
         """Stage 3: `module`'s forward uses `param` although another module
         owns it (a tied weight used directly, say): gather it for `module` too."""

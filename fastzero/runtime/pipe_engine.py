@@ -37,6 +37,7 @@ from fastzero.config import ConfigError
 from fastzero.pipe import schedule as sched
 from fastzero.pipe.module import PipelineModule
 from fastzero.pipe.p2p import P2P
+from fastzero.pipe.simulate import default_schedule, simulate_schedule
 from fastzero.pipe.weight_grad import DeferWeightGrads, WeightGradStore
 from fastzero.runtime.engine import Engine
 from fastzero.runtime.groups import ZeroGroup
@@ -161,7 +162,10 @@ class PipelineEngine(Engine):
         self.p2p = P2P(timeout=pc.p2p_timeout, device=self.device)
         self._parts = self.num_stages * self.virtual_stages
         self._inside_step = False
-        self.bubble: dict[str, float] = {}  # the last train_batch's measured idle fraction and its theory
+        # the last train_batch's idle fraction on this rank (time waiting for a neighbour) and the schedule's
+        # simulated one (all ranks; forward 1, backward 2), for gradient_accumulation_steps micro-batches
+        self.bubble: dict[str, float] = {}
+        self._theory: tuple[int, float] = (0, 0.0)
 
     # -- set-up -----------------------------------------------------------------------------
     def _split_groups(self, groups: list[dict]) -> list[dict]:
@@ -214,7 +218,9 @@ class PipelineEngine(Engine):
                     f"virtual_stages={self.virtual_stages}: use schedule interleaved (or auto)"
                 )
             return name
-        return sched.default_schedule(self.gradient_accumulation_steps(), self.num_stages, self.virtual_stages)
+        if self.virtual_stages > 1:  # the module is cut into chunks: only the interleaved schedule runs them
+            return "interleaved"
+        return default_schedule(self.gradient_accumulation_steps(), self.num_stages)
 
     # -- who is where -------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -324,16 +330,18 @@ class PipelineEngine(Engine):
             sched.ReduceGrads: self._reduce_grads,
             sched.OptimizerStep: self._optimizer_step,
         }
-        try:
-            for instructions in schedule.steps():
-                for cmd in instructions:
-                    idle += handlers[type(cmd)](cmd, step, data_iter) or 0.0
-        finally:
-            for h in step.sends:
-                h.wait()
+        for instructions in schedule.steps():
+            for cmd in instructions:
+                idle += handlers[type(cmd)](cmd, step, data_iter) or 0.0
+        for h in step.sends:  # (after an error nothing is waited for: the error is the news)
+            h.wait()
         total = time.perf_counter() - start
         if step.train:
-            self.bubble = {"measured": idle / total if total > 0 else 0.0}
+            m = self.gradient_accumulation_steps()
+            if self._theory[0] != m:
+                result = simulate_schedule(self.schedule_name, m, self.num_stages, self.virtual_stages)
+                self._theory = (m, float(result.bubble_fraction))
+            self.bubble = {"measured": idle / total if total > 0 else 0.0, "theory": self._theory[1]}
 
     def _batch(self, step: _Step, mb: int, data_iter) -> Any:
         if mb not in step.batches:

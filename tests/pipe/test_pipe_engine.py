@@ -28,9 +28,10 @@ RUNS = {
     "untied-p2-z1": {"schedule": "1f1b", "stages": 2, "zero": 1, "tied": False},
     "bf16": {"schedule": "1f1b", "stages": 2, "zero": 1, "dtype": "bf16"},
     "skip": {"schedule": "zb-h1", "stages": 2, "zero": 1, "inf_at": 1, "inf_stage": 1},
+    "auto": {"schedule": "auto", "stages": 2, "zero": 1},
     "bad-interleaved": {"schedule": "interleaved", "stages": 2, "expect_error": True},
 }
-EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in ("bf16", "skip")]
+EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in ("bf16", "skip", "auto")]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,8 @@ def test_matches_single_process_adamw(results, key):
             want = ref["params"][name]
             torch.testing.assert_close(value, want, **TOL, msg=lambda m, n=name, w=where: f"{w} {n}: {m}")
         held[res["data_rank"]] |= set(res["params"])
+        assert res["eval"][0] == pytest.approx(ref["eval"], rel=1e-5)
+        assert 0 <= res["bubble"]["measured"] < 1 and 0 < res["bubble"]["theory"] < 1
     for names in held.values():  # the stages of one data rank hold the whole model between them
         assert names == set(ref["params"])
 
@@ -78,6 +81,44 @@ def test_a_non_finite_gradient_on_one_stage_skips_the_step_everywhere(results):
     for res in results["skip"]:
         assert res["skipped"] == [0, 1, 1, 1], res["skipped"]
         assert res["norms"][1] != res["norms"][1] or res["norms"][1] == float("inf")
+
+
+def test_auto_picks_a_schedule_that_trains_the_same(results):
+    ref = results["auto"][0]["reference"]
+    for res in results["auto"]:
+        assert res["schedule"] in ("1f1b", "zb-h1")
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), **TOL)
+
+
+def failure(tmp, fail: str) -> list[dict]:
+    run = dict(BASE, schedule="1f1b", stages=2, zero=0, fail=fail, timeout=5, expect_error=True, out=str(tmp / "r"))
+    spec = tmp / "runs.json"
+    spec.write_text(json.dumps([run]))
+    run_ranks(WORKERS / "pipe_train.py", 2, [spec], timeout=120)
+    return [torch.load(f"{run['out']}.rank{k}.pt") for k in range(2)]
+
+
+def test_a_data_iterator_that_runs_dry_mid_step_is_named_on_the_stages_that_read_it(tmp_path):
+    for res in failure(tmp_path, "dry"):
+        assert "PipelineError: the data iterator ran dry at micro-batch 4 of 4" in res["error"], res["error"]
+
+
+def test_a_stage_that_raises_fails_its_neighbours_within_the_timeout(tmp_path):
+    raised, waiting = failure(tmp_path, "raise")[::-1]
+    assert "injected failure in a stage-1 layer" in raised["error"]
+    # a timeout, or the transport's error when the failed rank's process is gone first: either names the peer
+    assert waiting["error"].startswith(("PipelineTimeout", "PipelinePeerError")), waiting["error"]
+    assert "rank 1" in waiting["error"] and "check its log" in waiting["error"], waiting["error"]
+    assert waiting["seconds"] < 60, waiting["seconds"]
+
+
+def test_train_batch_on_a_model_that_is_not_a_pipeline_module_names_the_fix():
+    import fastzero
+
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = fastzero.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+    with pytest.raises(TypeError, match="not a fastzero.pipe.PipelineModule: train it with loss = engine"):
+        engine.train_batch(iter([]))
 
 
 def test_interleaved_without_virtual_stages_is_refused(results):

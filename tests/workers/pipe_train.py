@@ -10,7 +10,9 @@ rank's micro-batches."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -70,7 +72,7 @@ def config(run: dict) -> dict:
         "gradient_accumulation_steps": run["micro_batches"],
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": run.get("zero", 0)},
-        "pipeline": {"schedule": run["schedule"], "p2p_timeout": 60},
+        "pipeline": {"schedule": run["schedule"], "p2p_timeout": run.get("timeout", 60)},
         "gradient_clipping": run.get("clip", 0.0),
     }
     if run.get("dtype") == "bf16":
@@ -104,7 +106,12 @@ def reference(run: dict, data_ranks: int) -> dict:
         opt.step()
         opt.zero_grad()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "initial": initial, "params": params}
+    with torch.no_grad():
+        held_out = sum(
+            loss_fn(model(x), y).item() for r in range(data_ranks) for x, y in (batch(100, k, r) for k in range(m))
+        )
+    evaluated = held_out / (m * data_ranks)
+    return {"losses": losses, "norms": norms, "initial": initial, "params": params, "eval": evaluated}
 
 
 def train(run: dict) -> dict:
@@ -124,8 +131,16 @@ def train(run: dict) -> dict:
     engine, *_ = fastzero.initialize(model=model, config=config(run))
     data_rank = engine.module.topology.get_coord(engine.global_rank).data
     losses, norms, skipped = [], [], []
+    if run.get("fail") == "raise" and engine.stage_id == 1:  # a stage whose layer raises in the second step
+
+        def fail(module, args):
+            if engine.global_steps == 1:
+                raise RuntimeError("injected failure in a stage-1 layer")
+
+        engine.module.chunks[0].register_forward_pre_hook(fail)
     for step in range(run["steps"]):
-        micro = iter([batch(step, k, data_rank) for k in range(run["micro_batches"])])
+        count = run["micro_batches"] - (run.get("fail") == "dry" and step == 1)  # one micro-batch short
+        micro = iter([batch(step, k, data_rank) for k in range(count)])
         if run.get("inf_at") == step and engine.stage_id == run.get("inf_stage", 0):
             # a non-finite gradient on one stage only, after its reduction: every stage must skip the step
             reduce = engine._reduce_grads
@@ -152,6 +167,7 @@ def train(run: dict) -> dict:
         "data_rank": data_rank,
         "dp_world_size": engine.dp_world_size,
         "bubble": engine.bubble,
+        "eval": [float(engine.eval_batch(iter([batch(100, k, data_rank) for k in range(run["micro_batches"])])))],
     }
 
 
@@ -162,15 +178,21 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     runs = json.load(open(sys.argv[1]))
     for run in runs:
+        start = time.perf_counter()
         try:
             out = train(run)
         except Exception as exc:  # reported per run; the test decides what was expected
             if not run.get("expect_error"):
                 raise
-            out = {"error": f"{type(exc).__name__}: {exc}"}
+            out = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - start}
         if rank == 0 and not run.get("expect_error"):
             out["reference"] = reference(run, torch.distributed.get_world_size() // run["stages"])
         torch.save(out, f"{run['out']}.rank{rank}.pt")
+    if any(run.get("fail") for run in runs):
+        # after a failure the ranks are out of step: no collective, and no teardown of the process group
+        # under a receive still posted to the failed peer
+        sys.stdout.flush()
+        os._exit(0)
     torch.distributed.barrier()
 
 
