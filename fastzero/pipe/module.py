@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastzero.parallel.checkpointing import checkpoint, non_reentrant_checkpoint
+from fastzero.parallel.groups import set_current
 from fastzero.parallel.topology import PipeModelDataParallelTopology, ProcessTopology, Topology
 from fastzero.pipe.partition import partition_balanced, partition_uniform
 
@@ -276,6 +277,10 @@ class PipelineModule(nn.Module):
         self._topo = self.topology  # DeepSpeed's name
         self.num_stages = self.topology.get_dim("pipe")
         self.stage_id = self.topology.get_coord(self.global_rank).pipe
+        if self.topology is not _SEQUENTIAL_TOPOLOGY:
+            # the tensor-parallel layers (ColumnParallelLinear & co.) split over the current topology's tensor axis:
+            # make it this one before any layer is built (initialize() keeps it current)
+            set_current(self.topology)
         self.parts = self._partition(partition_method)
 
         self.tied_modules = nn.ModuleDict()

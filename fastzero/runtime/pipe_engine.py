@@ -19,12 +19,17 @@ What it adds to :class:`~fastzero.runtime.engine.Engine`:
   reduction their gradient (or shard) is summed over those stages, and the
   norm counts it on the first of them only.
 * The gradient norm and the overflow check span every stage.
+* ZeRO stage 3: a step gathers this stage's params once, before its first
+  forward, and holds them until its last backward (W under zb-h1), so the
+  all-gathers per step do not grow with the micro-batches; gradients are
+  reduce-scattered per micro-batch as stage 3 does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,10 +140,6 @@ class PipelineEngine(Engine):
                 f"the pipeline engine trains a fastzero.pipe.PipelineModule, not {type(module).__name__}: build the "
                 "model from LayerSpecs (docs/pipeline.md)"
             )
-        if config.zero_optimization.stage == 3:
-            raise ConfigError(
-                "zero_optimization.stage 3 with pipeline parallelism is not implemented yet: use stage 0, 1 or 2"
-            )
         super().__init__(module, config, mpu=module.topology, **kwargs)
         pc = config.pipeline
         self.num_stages, self.stage_id = module.num_stages, module.stage_id
@@ -162,6 +163,7 @@ class PipelineEngine(Engine):
         self.p2p = P2P(timeout=pc.p2p_timeout, device=self.device)
         self._parts = self.num_stages * self.virtual_stages
         self._inside_step = False
+        self._held: tuple[list, list] | None = None  # stage 3: the units gathered for the whole step
         # the last train_batch's idle fraction on this rank (time waiting for a neighbour) and the schedule's
         # simulated one (all ranks; forward 1, backward 2), for gradient_accumulation_steps micro-batches
         self.bubble: dict[str, float] = {}
@@ -330,9 +332,13 @@ class PipelineEngine(Engine):
             sched.ReduceGrads: self._reduce_grads,
             sched.OptimizerStep: self._optimizer_step,
         }
-        for instructions in schedule.steps():
-            for cmd in instructions:
-                idle += handlers[type(cmd)](cmd, step, data_iter) or 0.0
+        self._hold_params()
+        try:
+            for instructions in schedule.steps():
+                for cmd in instructions:
+                    idle += handlers[type(cmd)](cmd, step, data_iter) or 0.0
+        finally:
+            self._release_params()  # (eval, a stage without backwards, or an error: no collectives in it)
         for h in step.sends:  # (after an error nothing is waited for: the error is the news)
             h.wait()
         total = time.perf_counter() - start
@@ -444,13 +450,37 @@ class PipelineEngine(Engine):
         for group in self.groups:
             group.end_backward()
         step.backwards += 1
+        if step.backwards == step.total_backwards:  # the step's last backward: the optimizer changes the shards
+            self._release_params()
+
+    @contextlib.contextmanager
+    def _hooks_quiet(self):
+        # stage 3's backward pre-hooks fire on the first layer too, whose input needs no grad: expected
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            yield
+
+    def _hold_params(self) -> None:
+        """Stage 3: every param of this stage gathered (all in flight at
+        once) and held through the step, whatever order the schedule runs
+        the micro-batches' forwards and backwards in; a tied weight used
+        through a ``forward_fn`` (no module hook fires) is whole too."""
+        if self.fetcher is not None and self._held is None:
+            self._held = self.fetcher.hold([u.param for u in self.fetcher.unit_of.values()])
+
+    def _release_params(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self.fetcher.unhold(*held)
+            self.fetcher.end_backward()  # the partitioned params released, as after a plain engine's backward
 
     def _backward(self, cmd, step: _Step, data_iter) -> float:
         slot = step.slot(cmd.micro_batch, cmd.chunk)
         outs, grads, idle = self._output_grads(slot, cmd, step)
         t = time.perf_counter()
         self._begin_accumulation(step)
-        torch.autograd.backward(outs, grads)
+        with self._hooks_quiet():
+            torch.autograd.backward(outs, grads)
         self._end_accumulation(step)
         self._input_grads(slot, cmd)
         step.release(cmd.micro_batch, cmd.chunk)
@@ -466,7 +496,7 @@ class PipelineEngine(Engine):
         inputs = [x for x in _tensors(slot.inputs) if x.requires_grad]
         params = [p for p in self.module.chunks[cmd.chunk].parameters() if p.requires_grad]
         slot.store = WeightGradStore()
-        with slot.store.filling():
+        with slot.store.filling(), self._hooks_quiet():
             got = torch.autograd.grad(outs, inputs + params, grads, allow_unused=True)
         for x, g in zip(inputs, got):
             x.grad = g

@@ -71,7 +71,8 @@ def config(run: dict) -> dict:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": run["micro_batches"],
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": run.get("zero", 0)},
+        # stage 3: every param partitioned (none kept whole as small), so the gathers are counted
+        "zero_optimization": {"stage": run.get("zero", 0), "stage3_param_persistence_threshold": 0},
         "pipeline": {"schedule": run["schedule"], "p2p_timeout": run.get("timeout", 60)},
         "gradient_clipping": run.get("clip", 0.0),
     }
@@ -130,7 +131,8 @@ def train(run: dict) -> dict:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine, *_ = fastzero.initialize(model=model, config=config(run))
     data_rank = engine.module.topology.get_coord(engine.global_rank).data
-    losses, norms, skipped = [], [], []
+    losses, norms, skipped, scales, gathers = [], [], [], [], []
+    engine.comm.record.clear()
     if run.get("fail") == "raise" and engine.stage_id == 1:  # a stage whose layer raises in the second step
 
         def fail(module, args):
@@ -156,18 +158,31 @@ def train(run: dict) -> dict:
             losses.append(float(engine.train_batch(micro)))
         norms.append(engine.get_global_grad_norm())
         skipped.append(engine.skipped_steps)
+        scales.append(engine.loss_scale)
+        # stage 3's param all-gathers in this step (tagged "param:<name>")
+        gathers.append(sum(e.tag.startswith("param:") for e in engine.comm.events("all_gather")))
+        engine.comm.record.clear()
+    units = len(engine.fetcher.unit_of) if engine.fetcher is not None else 0
+    evaluated = float(engine.eval_batch(iter([batch(100, k, data_rank) for k in range(run["micro_batches"])])))
+    eval_gathers = sum(e.tag.startswith("param:") for e in engine.comm.events("all_gather"))
+    with engine.gathered():  # stage 3: the partitioned params whole
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return {
         "losses": losses,
         "norms": norms,
         "skipped": skipped,
+        "scales": scales,
+        "gathers": gathers,
+        "eval_gathers": eval_gathers,
+        "units": units,
         "initial": initial,
-        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "params": params,
         "stage": engine.stage_id,
         "schedule": engine.schedule_name,
         "data_rank": data_rank,
         "dp_world_size": engine.dp_world_size,
         "bubble": engine.bubble,
-        "eval": [float(engine.eval_batch(iter([batch(100, k, data_rank) for k in range(run["micro_batches"])])))],
+        "eval": [evaluated],
     }
 
 
