@@ -1,9 +1,11 @@
 """The pipeline engine trains as one process does (4 Gloo ranks): each
 schedule (1f1b, interleaved, zb-h1) at pipe 2 x data 2 and pipe 4, with a
 tied weight on the first and last stages, gradient clipping by the norm
-over every stage, ZeRO stages 0-2 over the data axis; bf16 tracks fp32; a
-non-finite gradient on one stage skips the step on every rank; misuse is
-refused with the fix."""
+over every stage, ZeRO stages 0-3 over the data axis (stage 3 gathering
+each param once per step, whatever the micro-batches); bf16 and fp16 track
+fp32; a non-finite gradient on one stage skips the step on every rank (and
+lowers the fp16 loss scale on every rank alike); misuse is refused with the
+fix."""
 
 import json
 
@@ -25,13 +27,19 @@ RUNS = {
     "interleaved-p4-z0": {"schedule": "interleaved", "stages": 4, "virtual": 2, "zero": 0, "micro_batches": 8},
     "zb-h1-p2-z2": {"schedule": "zb-h1", "stages": 2, "zero": 2},
     "zb-h1-p4-z0": {"schedule": "zb-h1", "stages": 4, "zero": 0, "micro_batches": 6},
+    "1f1b-p2-z3": {"schedule": "1f1b", "stages": 2, "zero": 3},
+    "zb-h1-p2-z3": {"schedule": "zb-h1", "stages": 2, "zero": 3, "micro_batches": 6},
+    "interleaved-p2-z3": {"schedule": "interleaved", "stages": 2, "virtual": 2, "zero": 3},
     "untied-p2-z1": {"schedule": "1f1b", "stages": 2, "zero": 1, "tied": False},
     "bf16": {"schedule": "1f1b", "stages": 2, "zero": 1, "dtype": "bf16"},
+    "fp16": {"schedule": "1f1b", "stages": 2, "zero": 2, "dtype": "fp16"},
+    "fp16-skip-z3": {"schedule": "zb-h1", "stages": 2, "zero": 3, "dtype": "fp16", "inf_at": 1, "inf_stage": 0},
     "skip": {"schedule": "zb-h1", "stages": 2, "zero": 1, "inf_at": 1, "inf_stage": 1},
     "auto": {"schedule": "auto", "stages": 2, "zero": 1},
     "bad-interleaved": {"schedule": "interleaved", "stages": 2, "expect_error": True},
 }
-EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in ("bf16", "skip", "auto")]
+INEXACT = ("bf16", "fp16", "fp16-skip-z3", "skip", "auto")
+EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in INEXACT]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +77,10 @@ def test_matches_single_process_adamw(results, key):
         assert names == set(ref["params"])
 
 
-def test_bf16_tracks_fp32(results):
-    ref = results["bf16"][0]["reference"]
-    for res in results["bf16"]:
+@pytest.mark.parametrize("key", ["bf16", "fp16"])
+def test_low_precision_tracks_fp32(results, key):
+    ref = results[key][0]["reference"]
+    for res in results[key]:
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
         for name, value in res["params"].items():
             torch.testing.assert_close(value, ref["params"][name], rtol=0, atol=3e-2)
@@ -81,6 +90,27 @@ def test_a_non_finite_gradient_on_one_stage_skips_the_step_everywhere(results):
     for res in results["skip"]:
         assert res["skipped"] == [0, 1, 1, 1], res["skipped"]
         assert res["norms"][1] != res["norms"][1] or res["norms"][1] == float("inf")
+
+
+def test_fp16_overflow_on_one_stage_skips_and_lowers_the_scale_on_every_rank(results):
+    for res in results["fp16-skip-z3"]:
+        assert res["skipped"] == [0, 1, 1, 1], res["skipped"]
+        assert res["scales"] == [256.0, 128.0, 128.0, 128.0], res["scales"]  # hysteresis 1: one overflow halves it
+
+
+def test_fp16_scales_the_loss_without_overflow(results):
+    for res in results["fp16"]:
+        assert res["skipped"] == [0, 0, 0, 0] and res["scales"] == [256.0] * 4, (res["skipped"], res["scales"])
+
+
+@pytest.mark.parametrize("key", [k for k, r in RUNS.items() if r.get("zero") == 3])
+def test_stage3_gathers_each_param_once_per_step_not_per_micro_batch(results, key):
+    for res in results[key]:
+        # every param of the stage is partitioned (threshold 0): one all-gather each per step, at 4 or 6
+        # micro-batches alike (per micro-batch would be 4-6 times as many)
+        assert res["units"] > 10, res["units"]
+        assert res["gathers"] == [res["units"]] * BASE["steps"], (res["gathers"], res["units"])
+        assert res["eval_gathers"] == res["units"]
 
 
 def test_auto_picks_a_schedule_that_trains_the_same(results):

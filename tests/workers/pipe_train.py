@@ -79,7 +79,7 @@ def config(run: dict) -> dict:
     if run.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     if run.get("dtype") == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}  # one overflow halves the scale
     return cfg
 
 
