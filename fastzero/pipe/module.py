@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastzero.parallel.checkpointing import checkpoint, non_reentrant_checkpoint
-from fastzero.parallel.groups import set_current
+from fastzero.parallel.groups import current, set_current
 from fastzero.parallel.topology import PipeModelDataParallelTopology, ProcessTopology, Topology
 from fastzero.pipe.partition import partition_balanced, partition_uniform
 
@@ -277,16 +277,19 @@ class PipelineModule(nn.Module):
         self._topo = self.topology  # DeepSpeed's name
         self.num_stages = self.topology.get_dim("pipe")
         self.stage_id = self.topology.get_coord(self.global_rank).pipe
+        # the tensor-parallel layers (ColumnParallelLinear & co.) split over the current topology's tensor axis:
+        # it is this one while layers are built (and again from initialize() on); the previous one after
+        previous = current()
         if self.topology is not _SEQUENTIAL_TOPOLOGY:
-            # the tensor-parallel layers (ColumnParallelLinear & co.) split over the current topology's tensor axis:
-            # make it this one before any layer is built (initialize() keeps it current)
             set_current(self.topology)
-        self.parts = self._partition(partition_method)
-
-        self.tied_modules = nn.ModuleDict()
-        self.tied_weight_attrs: dict[str, list[str]] = {}
-        self._check_tied_specs()
-        self.chunks = [self._build_chunk(c) for c in range(virtual_stages)]  # a list: not submodules
+        try:
+            self.parts = self._partition(partition_method)
+            self.tied_modules = nn.ModuleDict()
+            self.tied_weight_attrs: dict[str, list[str]] = {}
+            self._check_tied_specs()
+            self.chunks = [self._build_chunk(c) for c in range(virtual_stages)]  # a list: not submodules
+        finally:
+            set_current(previous)
         self.forward_funcs = [f for chunk in self.chunks for f in chunk.forward_funcs]
         for p in self.parameters():  # DeepSpeed's mark; _index_tied_modules sets it on tied copies
             p.ds_pipe_replicated = False
