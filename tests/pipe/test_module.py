@@ -391,3 +391,28 @@ def test_pipe_by_tensor(ranks4):
     assert [s["stage"] for s in seen] == [0, 0, 1, 1]
     _check_layout(seen, [0, 4, 8], p=2, v=1)
     assert [s["tied"]["emb"][1] for s in seen] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # one group per tensor rank
+
+
+def test_its_topology_is_current_while_layers_are_built_and_the_previous_one_after():
+    from fastzero.parallel import Topology, current, set_current
+
+    seen = []
+
+    class Sees(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            seen.append(current())
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    before = current()
+    mine = Topology(pipe=1)
+    other = object()
+    set_current(other)
+    try:
+        model = PipelineModule([LayerSpec(Sees), LayerSpec(Sees)], topology=mine, partition_method="uniform")
+        assert seen == [model.topology, model.topology] and current() is other
+    finally:
+        set_current(before)
