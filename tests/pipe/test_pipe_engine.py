@@ -29,6 +29,7 @@ RUNS = {
     "bf16": {"schedule": "1f1b", "stages": 2, "zero": 1, "dtype": "bf16"},
     "skip": {"schedule": "zb-h1", "stages": 2, "zero": 1, "inf_at": 1, "inf_stage": 1},
     "auto": {"schedule": "auto", "stages": 2, "zero": 1},
+    "loader": {"schedule": "1f1b", "stages": 2, "zero": 1, "loader": True},  # initialize(training_data=...)
     "bad-interleaved": {"schedule": "interleaved", "stages": 2, "expect_error": True},
 }
 EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in ("bf16", "skip", "auto")]
