@@ -154,6 +154,13 @@ class PipelineEngine(Engine):
                 '(or "auto")'
             )
         self.schedule_name = self._pick_schedule(pc.schedule)
+        if self.device.type != "cpu" and self.schedule_name != "1f1b":
+            # NCCL matches a rank pair's sends and receives in the order posted, whatever the channel; only 1f1b
+            # posts them in the same order on both ends (tests/pipe/test_schedule_order.py); Gloo's tags need not
+            raise ConfigError(
+                f"pipeline.schedule {self.schedule_name} on {self.device.type} (NCCL) is not supported yet: its two "
+                "ends of a stage pair post messages in different orders, which NCCL cannot match; use 1f1b"
+            )
         if self.schedule_name == "zb-h1" and getattr(module, "activation_checkpoint_interval", 0):
             raise ConfigError(
                 "pipeline.schedule zb-h1 splits each backward into input and weight halves, which a recomputed "
@@ -225,6 +232,8 @@ class PipelineEngine(Engine):
             return name
         if self.virtual_stages > 1:  # the module is cut into chunks: only the interleaved schedule runs them
             return "interleaved"
+        if self.device.type != "cpu":
+            return "1f1b"  # the one schedule NCCL can run today (below)
         return default_schedule(self.gradient_accumulation_steps(), self.num_stages)
 
     # -- who is where -------------------------------------------------------------------------
