@@ -33,6 +33,13 @@ tensor (split). A signature change costs one frame of the old size, plus one
 message of the pickled signature. Non-tensor leaves belong to the signature:
 a value that changes every message re-sends the signature every message.
 
+Receive threads. Each receiving channel has a thread that posts the next
+frame as soon as the previous message is in and follows a signature change
+through (signature, new layout) without waiting for the caller's ``wait()``:
+so any order of sends, receives and waits that works with
+``torch.distributed.isend``/``irecv`` works here. The price is one thread
+hand-off per received message. Use one P2P per process group: two share tags.
+
 Order on NCCL. NCCL ignores tags and matches sends and receives between two
 ranks in the order they are posted, so on NCCL the two ends must post the
 messages of different channels in the same order (a pipeline schedule does).
