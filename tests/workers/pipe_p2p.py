@@ -187,7 +187,7 @@ def timeout() -> dict:
 
 def dies(how: str) -> dict:
     rank = torch.distributed.get_rank()
-    p2p = P2P(timeout=20)
+    p2p = P2P(timeout=5)
     if rank == 1:
         p2p.isend(torch.arange(5.0), 0, "act").wait()
         time.sleep(0.5)
