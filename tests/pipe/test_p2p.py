@@ -22,9 +22,9 @@ def outputs(lines: list[str]) -> list[dict]:
 def test_roundtrip(world):
     seed = random.randrange(1 << 20)
     for rank, out in enumerate(outputs(run_ranks(SCRIPT, world, ["roundtrip", seed], timeout=240))):
-        # 12 messages on each of two channels in, then 21 ping-pong steps each way
-        assert out["messages"] == 2 * 12 + 2 * 21, (rank, out)
-        assert out["tensors"] == 2 * (7 + 4 + 6 + 2), (rank, out)
+        # 12 messages on each of two channels in, 21 ping-pong steps each way, 12 sent before received
+        assert out["messages"] == 2 * 12 + 2 * 21 + 12, (rank, out)
+        assert out["tensors"] == 3 * (7 + 4 + 6 + 2), (rank, out)
         first, steady, changed, big, big_steady = out["phases"]
         assert steady["meta"] == big_steady["meta"] == 0 and first["meta"] > 0 and changed["meta"] > 0
         assert "init_distributed" in out["before_init"]
