@@ -331,8 +331,8 @@ def _interleaved_order(m: int, p: int, s: int, v: int, train: bool) -> list[tupl
     chunk (k // p) % v forward (v - 1 - that backward) of micro-batch
     (k // (p v)) p + k % p; stage s runs min(mv, 2(p - s - 1) + (v - 1)p)
     warm-up forwards, then one forward and one backward in turn. (Megatron
-    makes every forward warm-up when m == p, for its paired blocking
-    send-recv; with asynchronous sends the formula needs no exception.)"""
+    makes every forward warm-up when m == p; under asynchronous sends the
+    formula needs no such exception: the simulator finds no deadlock.)"""
     total = m * v
 
     def mb_of(k: int) -> int:
