@@ -23,8 +23,10 @@ one frame in the *old* layout whose control word is the length ``k`` of the
 new pickled signature (its payload bytes are not read), then the signature
 (``k`` bytes), then the data in the new layout. A channel starts with the
 empty signature (a packed frame of just the control word). So the receiver
-always knows the sizes of what it posts, posts them when :meth:`P2P.irecv` is
-called, and never takes a payload under a stale signature.
+always knows the sizes of what it posts, posts a message's frame as soon as
+the one before it on the channel is in, and never takes a payload under a
+stale signature. Packed tensors arrive as views of one fresh buffer per
+message.
 
 Cost per message in steady state: one message on the wire with 8 extra bytes
 (packed: plus one copy of the payload on each side, cheaper than a second
@@ -33,9 +35,18 @@ tensor (split). A signature change costs one frame of the old size, plus one
 message of the pickled signature. Non-tensor leaves belong to the signature:
 a value that changes every message re-sends the signature every message.
 
+Receive threads. Each receiving channel has a thread that posts the next
+frame as soon as the previous message is in and follows a signature change
+through (signature, new layout) without waiting for the caller's ``wait()``:
+so any order of sends, receives and waits that works with
+``torch.distributed.isend``/``irecv`` works here. The price is one thread
+hand-off per received message. Use one P2P per process group: two share tags.
+
 Order on NCCL. NCCL ignores tags and matches sends and receives between two
 ranks in the order they are posted, so on NCCL the two ends must post the
 messages of different channels in the same order (a pipeline schedule does).
+The receive threads issue NCCL receives beside the caller's sends on the same
+communicator: untested here (no GPU).
 
 Failure. ``wait()`` waits at most ``timeout`` seconds, then raises
 :class:`PipelineTimeout` naming the peer, the channel and what it waited for;

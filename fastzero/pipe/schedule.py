@@ -247,8 +247,8 @@ class TrainSchedule(PipeSchedule):
             yield cmds
 
     def num_pipe_buffers(self) -> int:
-        # DeepSpeed's count: the in-flight forwards, at least 2 (a forward's
-        # output waits one step for its send while the next one loads).
+        # DeepSpeed's count, kept so the buffer ids are its own: the in-flight
+        # forwards, at least 2 (one would do on the last stage).
         return max(2, min(self.stages - self.stage_id, self.micro_batches))
 
     def _buffer(self, mb: int) -> int:
@@ -330,7 +330,9 @@ def _interleaved_order(m: int, p: int, s: int, v: int, train: bool) -> list[tupl
     forward_backward_pipelining_with_interleaving): virtual micro-batch k runs
     chunk (k // p) % v forward (v - 1 - that backward) of micro-batch
     (k // (p v)) p + k % p; stage s runs min(mv, 2(p - s - 1) + (v - 1)p)
-    warm-up forwards, then one forward and one backward in turn."""
+    warm-up forwards, then one forward and one backward in turn. (Megatron
+    makes every forward warm-up when m == p; under asynchronous sends the
+    formula needs no such exception: the simulator finds no deadlock.)"""
     total = m * v
 
     def mb_of(k: int) -> int:
@@ -380,7 +382,7 @@ class InterleavedSchedule(_OrderedSchedule):
     Needs v >= 2, p >= 2 and m % p == 0. Bubble (F=1, B=2 per stage, each
     chunk 1/v of that): (p - 1)/v of the 1F1B bubble's (p - 1) per rank."""
 
-    def __init__(self, micro_batches: int, stages: int, stage_id: int, virtual_stages: int = 2) -> None:
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, virtual_stages: int) -> None:
         super().__init__(micro_batches, stages, stage_id)
         _check_interleaving(micro_batches, stages, virtual_stages)
         self.virtual_stages = virtual_stages

@@ -768,6 +768,11 @@ class Engine(torch.nn.Module):
                 sync()
 
 
+def _cycle(loader) -> Iterable:
+    while True:
+        yield from loader
+
+
 def initialize(
     args=None,
     model: torch.nn.Module | None = None,
@@ -867,6 +872,8 @@ def initialize(
             collate_fn=collate_fn,
             drop_last=drop_last,
         )
+        if pipelined:  # train_batch() with no iterator cycles over the loader, as DeepSpeed's does
+            engine.set_dataiterator(_cycle(loader))
     # the config's activation_checkpointing section configures fastzero.checkpointing (DeepSpeed's
     # checkpointing.configure(mpu, deepspeed_config=...)); without one, a configure() the script made stays
     from fastzero.parallel import checkpointing

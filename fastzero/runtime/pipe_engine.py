@@ -155,14 +155,26 @@ class PipelineEngine(Engine):
                 '(or "auto")'
             )
         self.schedule_name = self._pick_schedule(pc.schedule)
+        if self.device.type != "cpu" and self.schedule_name != "1f1b":
+            # NCCL matches a rank pair's sends and receives in the order posted, whatever the channel; only 1f1b
+            # posts them in the same order on both ends (tests/pipe/test_schedule_order.py); Gloo's tags need not
+            raise ConfigError(
+                f"pipeline.schedule {self.schedule_name} on {self.device.type} (NCCL) is not supported yet: its two "
+                "ends of a stage pair post messages in different orders, which NCCL cannot match; use 1f1b"
+            )
         if self.schedule_name == "zb-h1" and getattr(module, "activation_checkpoint_interval", 0):
             raise ConfigError(
                 "pipeline.schedule zb-h1 splits each backward into input and weight halves, which a recomputed "
                 "(checkpointed) layer cannot: set activation_checkpoint_interval=0 or use schedule 1f1b/interleaved"
             )
+        try:  # a schedule that cannot run these sizes says so now, not at the first train_batch
+            self._schedule(self.gradient_accumulation_steps(), train=True)
+        except ValueError as exc:
+            raise ConfigError(f"pipeline.schedule {self.schedule_name}: {exc}") from None
         self.p2p = P2P(timeout=pc.p2p_timeout, device=self.device)
         self._parts = self.num_stages * self.virtual_stages
         self._inside_step = False
+        self.data_iterator: Iterator | None = None
         self._held: tuple[list, list] | None = None  # stage 3: the units gathered for the whole step
         # the last train_batch's idle fraction on this rank (time waiting for a neighbour) and the schedule's
         # simulated one (all ranks; forward 1, backward 2), for gradient_accumulation_steps micro-batches
@@ -222,6 +234,8 @@ class PipelineEngine(Engine):
             return name
         if self.virtual_stages > 1:  # the module is cut into chunks: only the interleaved schedule runs them
             return "interleaved"
+        if self.device.type != "cpu":
+            return "1f1b"  # the one schedule NCCL can run today (below)
         return default_schedule(self.gradient_accumulation_steps(), self.num_stages)
 
     # -- who is where -------------------------------------------------------------------------
@@ -253,20 +267,25 @@ class PipelineEngine(Engine):
             raise PipelineError("a pipeline engine steps inside train_batch(); do not call step()")
         super().step()
 
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """The iterator train_batch()/eval_batch() pull from when given none
+        (DeepSpeed's; ``initialize(training_data=...)`` sets one cycling over
+        its loader)."""
+        self.data_iterator = iterator
+
     def train_batch(self, data_iter: Iterator | None = None) -> Tensor:
         """One optimizer step over ``gradient_accumulation_steps``
         micro-batches of `data_iter` (``(inputs, labels)`` pairs, pulled on the
-        first and the last stage); returns the mean micro-batch loss (over
-        micro-batches and data-parallel ranks) on every rank."""
+        first and the last stage; default: :meth:`set_dataiterator`'s);
+        returns the mean micro-batch loss (over micro-batches and
+        data-parallel ranks) on every rank."""
+        data_iter = data_iter if data_iter is not None else self.data_iterator
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() under torch.no_grad(): use eval_batch() to evaluate")
         self.module.train()
         m = self.gradient_accumulation_steps()
-        schedule = sched.make_schedule(
-            self.schedule_name, m, self.num_stages, self.stage_id, virtual_stages=self.virtual_stages, train=True
-        )
         step = _Step(train=True, total_backwards=m * self.virtual_stages)
-        self._run(schedule, step, data_iter)
+        self._run(self._schedule(m, train=True), step, data_iter)
         return self._mean_loss(step)
 
     def eval_batch(
@@ -284,17 +303,10 @@ class PipelineEngine(Engine):
         data-parallel ranks, broadcast to every stage (`bcast_loss`);
         ``return_logits=True`` also returns the last stage's outputs (None on
         the others)."""
+        data_iter = data_iter if data_iter is not None else self.data_iterator
         if reduce_output not in ("avg", None):
             raise ValueError(f"reduce_output = {reduce_output!r}: use 'avg' or None")
-        m = num_micro_batches or self.gradient_accumulation_steps()
-        schedule = sched.make_schedule(
-            "1f1b" if self.virtual_stages == 1 else "interleaved",
-            m,
-            self.num_stages,
-            self.stage_id,
-            virtual_stages=self.virtual_stages,
-            train=False,
-        )
+        schedule = self._schedule(num_micro_batches or self.gradient_accumulation_steps(), train=False)
         was_training = self.module.training
         self.module.eval()
         step = _Step(train=False, compute_loss=compute_loss, keep_outputs=return_logits)
@@ -312,6 +324,13 @@ class PipelineEngine(Engine):
         return loss
 
     # -- the interpreter ----------------------------------------------------------------------
+    def _schedule(self, micro_batches: int, train: bool) -> sched.PipeSchedule:
+        """This rank's schedule (forward-only for eval: DeepSpeed's inference schedule, or interleaved's)."""
+        name = self.schedule_name if train else "interleaved" if self.virtual_stages > 1 else "1f1b"
+        return sched.make_schedule(
+            name, micro_batches, self.num_stages, self.stage_id, virtual_stages=self.virtual_stages, train=train
+        )
+
     def _holds_last(self) -> bool:
         return self._part(self.virtual_stages - 1) == self._parts - 1
 

@@ -36,6 +36,7 @@ RUNS = {
     "fp16-skip-z3": {"schedule": "zb-h1", "stages": 2, "zero": 3, "dtype": "fp16", "inf_at": 1, "inf_stage": 0},
     "skip": {"schedule": "zb-h1", "stages": 2, "zero": 1, "inf_at": 1, "inf_stage": 1},
     "auto": {"schedule": "auto", "stages": 2, "zero": 1},
+    "loader": {"schedule": "1f1b", "stages": 2, "zero": 1, "loader": True},  # initialize(training_data=...)
     "bad-interleaved": {"schedule": "interleaved", "stages": 2, "expect_error": True},
 }
 INEXACT = ("bf16", "fp16", "fp16-skip-z3", "skip", "auto")

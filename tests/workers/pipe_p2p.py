@@ -7,7 +7,8 @@ Arguments: a scenario and a seed. Prints one JSON line of what it saw.
   another order; every received element, dtype, shape, structure and
   requires_grad is checked against the sender's message regenerated from the
   seed; the byte counters show the signature sent exactly when it changed.
-  Then a ping-pong phase: one message at a time each way.
+  Then a ping-pong phase: one message at a time each way; then a stream
+  whose sends are all waited before any of its receives.
 * ``timeout``: rank 0 waits for a message rank 1 never sends, and sends one
   rank 1 never receives; both must raise PipelineTimeout after ~2 s.
 * ``die`` / ``raise``: rank 1 sends one message, then exits (os._exit) or
@@ -160,6 +161,14 @@ def roundtrip(seed: int) -> dict:
     for phase in (first, changed, big):
         assert phase["signatures"] == 2 and phase["meta"] > 0, phase  # one send + one receive
     assert steady["payload"] == 2 * 5 * 8 * 16 * 4 and steady["messages"] == 2 * 5, steady
+    # every send waited before any receive is, across signature changes: the
+    # receiving end follows the changes through without its caller's wait
+    late = [p2p.irecv(prv, "late") for _ in range(N)]
+    for s in [p2p.isend(message(seed, rank, nxt, "late", i), nxt, "late") for i in range(N)]:
+        s.wait()
+    for i in range(N):
+        tensors += same(late[i].wait(), message(seed, prv, rank, "late", i))
+        messages += 1
     return dict(messages=messages, tensors=tensors, stats=stats, phases=[first, steady, changed, big, big_steady])
 
 
@@ -181,13 +190,13 @@ def timeout() -> dict:
         p2p.irecv(1 - rank, "grad")
     except PipelinePeerError as exc:
         out["after"] = str(exc)
-    torch.distributed.barrier()  # both alive until both have timed out
+    time.sleep(3)  # both alive until both have timed out (Gloo closes the pair on a timeout: no barrier)
     return out
 
 
 def dies(how: str) -> dict:
     rank = torch.distributed.get_rank()
-    p2p = P2P(timeout=20)
+    p2p = P2P(timeout=5)
     if rank == 1:
         p2p.isend(torch.arange(5.0), 0, "act").wait()
         time.sleep(0.5)

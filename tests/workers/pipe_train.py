@@ -66,6 +66,31 @@ def batch(step: int, micro: int, data_rank: int):
     return torch.randn(MICRO, D, generator=g), torch.randn(MICRO, D, generator=g)
 
 
+def dataset() -> list:
+    """Samples for initialize(training_data=...): its loader splits them over the data ranks."""
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(D, generator=g), torch.randn(D, generator=g)) for _ in range(64)]
+
+
+def loaders(data_ranks: int) -> list:
+    """What initialize's loader gives each data rank (the same sampler), cycled."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    def cycle(loader):
+        while True:
+            yield from loader
+
+    data = dataset()
+    return [
+        cycle(
+            DataLoader(
+                data, batch_size=MICRO, sampler=DistributedSampler(data, data_ranks, r) if data_ranks > 1 else None
+            )
+        )
+        for r in range(data_ranks)
+    ]
+
+
 def config(run: dict) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -93,11 +118,12 @@ def reference(run: dict, data_ranks: int) -> dict:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     m, losses, norms = run["micro_batches"], [], []
+    feeds = loaders(data_ranks) if run.get("loader") else None
     for step in range(run["steps"]):
         total = 0.0
         for r in range(data_ranks):
             for k in range(m):
-                x, y = batch(step, k, r)
+                x, y = next(feeds[r]) if feeds else batch(step, k, r)
                 loss = loss_fn(model(x), y)
                 (loss / (m * data_ranks)).backward()
                 total += loss.item() / (m * data_ranks)
@@ -129,7 +155,8 @@ def train(run: dict) -> dict:
         virtual_stages=run.get("virtual", 1),
     )
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine, *_ = fastzero.initialize(model=model, config=config(run))
+    training_data = dataset() if run.get("loader") else None
+    engine, *_ = fastzero.initialize(model=model, config=config(run), training_data=training_data)
     data_rank = engine.module.topology.get_coord(engine.global_rank).data
     losses, norms, skipped, scales, gathers = [], [], [], [], []
     engine.comm.record.clear()
@@ -155,7 +182,7 @@ def train(run: dict) -> dict:
             losses.append(float(engine.train_batch(micro)))
             del engine._reduce_grads
         else:
-            losses.append(float(engine.train_batch(micro)))
+            losses.append(float(engine.train_batch(None if run.get("loader") else micro)))
         norms.append(engine.get_global_grad_norm())
         skipped.append(engine.skipped_steps)
         scales.append(engine.loss_scale)
