@@ -176,6 +176,7 @@ def engine_config(spec: dict) -> dict:
         "train_micro_batch_size_per_gpu": spec["micro"],
         "steps_per_print": 10**9,
         "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,  # off, as the reference: DeepSpeed 0.19's default is 1.0 (fastzero's 0)
         "optimizer": {"type": "AdamW", "params": HYPER},
         "tensor_parallel": {"autotp_size": spec["tp"]},
     }
@@ -317,9 +318,17 @@ def importable(provider: str) -> str | None:
         return None
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
         return f"deepspeed not installed here ({type(exc).__name__}: {exc})"
+    try:
+        from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+
+        has = "partition_config" in TPTrainingConfig.model_fields
+    except ImportError:
+        has = False
+    if not has:  # AutoTP's training config without layer specs: its heuristic refuses GPT-2
+        return f"deepspeed {deepspeed.__version__} has no tensor_parallel.partition_config (measured with 0.19.8)"
     return None
 
 

@@ -202,7 +202,8 @@ LEGEND = (
     "a group of one rank moves nothing and is left out (DeepSpeed's all-reduce of its flat grads over its "
     "data-parallel group of 1). Megatron formula: 4 all-reduces of b x s x h fp32 elements per layer per "
     "micro-batch (2 forward, 2 backward); fastzero adds one all-reduce of 2 fp64 scalars (the global gradient "
-    "norm's tensor-parallel part, 16 bytes), DeepSpeed one of an fp32 scalar (4 bytes)."
+    "norm's tensor-parallel part, 16 bytes). gradient_clipping is 0 for both engines (DeepSpeed 0.19's default, "
+    "1.0, would change the update and add a norm all-reduce)."
 )
 
 FAMILY = Family(
