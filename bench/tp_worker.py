@@ -290,7 +290,7 @@ class DeepSpeedJob(EngineJob):
             # c_attn's output by)
             attn.split_size //= spec["tp"]
         cfg = engine_config(spec)
-        cfg["optimizer"]["params"] = dict(HYPER, torch_adam=True)  # torch's AdamW, as the reference: no JIT op
+        cfg["optimizer"]["params"] = dict(HYPER, torch_adam=True)  # torch's AdamW, the reference's (not its Adam op)
         cfg["tensor_parallel"]["partition_config"] = {
             "use_default_specs": False,
             "layer_specs": [
