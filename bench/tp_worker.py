@@ -14,8 +14,10 @@ same fixed batch (data-parallel size 1):
   and ``mlp.c_proj`` (GPT-2's ``Conv1D`` turned into ``nn.Linear`` first, the
   fused q/k/v rows ordered so each rank's chunk holds its heads of each, as
   Megatron's stride-3 split does), ``torch.optim.AdamW``;
-* ``deepspeed``: DeepSpeed's AutoTP training (``tensor_parallel.autotp_size``)
-  where it imports (a provider that does not is reported skipped, with why).
+* ``deepspeed``: DeepSpeed's AutoTP training (``tensor_parallel.autotp_size``
+  and a ``partition_config`` for the four projections, GPT-2's ``Conv1D``
+  turned into ``nn.Linear`` first), DeepSpeed's torch AdamW, where it
+  imports (a provider that does not is reported skipped, with why).
 
 First each provider's first CHECK_STEPS losses must equal those of the
 unsharded model trained by ``torch.optim.AdamW`` in one process (fp32,
@@ -109,9 +111,10 @@ class CommCount(TorchDispatchMode):
     ``c10d`` ops fastzero's layers call) and the functional ones DTensor
     issues (``_c10d_functional``). A DTensor op is handed back to DTensor
     first (NotImplemented, as torch's CommDebugMode does), so the
-    collectives it lowers to come through here too. Per op: calls and
-    bytes, an all-reduce's tensors, an all-gather's output, a
-    reduce-scatter's input (the largest tensor in its arguments)."""
+    collectives it lowers to come through here too; one over a group of one
+    rank moves nothing and is left out. Per op: calls and bytes, an
+    all-reduce's tensors, an all-gather's output, a reduce-scatter's input
+    (the largest tensor in its arguments)."""
 
     def __init__(self):
         super().__init__()
@@ -125,7 +128,7 @@ class CommCount(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         ns = getattr(func, "namespace", "")
         name = getattr(func, "_overloadpacket", func).__name__
-        if ns in ("c10d", "_c10d_functional") and "wait" not in name and "barrier" not in name:
+        if ns in ("c10d", "_c10d_functional") and "wait" not in name and "barrier" not in name and not _solo(args):
             nbytes = lambda ts: [t.numel() * t.element_size() for t in ts]
             entry = self.ops.setdefault(name, [0, 0])
             entry[0] += 1
@@ -134,6 +137,15 @@ class CommCount(TorchDispatchMode):
             else:  # the whole tensor: a functional all-gather's is its result, not an argument
                 entry[1] += max(nbytes(_tensors(args) + _tensors(out)), default=0)
         return out
+
+
+def _solo(args) -> bool:
+    """A c10d op's process group has one rank: nothing moves (DeepSpeed all-reduces its flat grads over its
+    data-parallel group, of 1 here)."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            return dist.ProcessGroup.unbox(a).size() == 1
+    return False
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -164,6 +176,7 @@ def engine_config(spec: dict) -> dict:
         "train_micro_batch_size_per_gpu": spec["micro"],
         "steps_per_print": 10**9,
         "zero_optimization": {"stage": 0},
+        "gradient_clipping": 0.0,  # off, as the reference: DeepSpeed 0.19's default is 1.0 (fastzero's 0)
         "optimizer": {"type": "AdamW", "params": HYPER},
         "tensor_parallel": {"autotp_size": spec["tp"]},
     }
@@ -253,8 +266,13 @@ class TorchTP(Job):
 
 
 class DeepSpeedJob(EngineJob):
-    """DeepSpeed's AutoTP training (0.16+): ``tp_model_init`` where the version has it, then the config's
-    ``tensor_parallel.autotp_size``. Not run here yet: DeepSpeed is not installed on the development machine."""
+    """DeepSpeed's AutoTP training: ``tensor_parallel.autotp_size`` with a ``partition_config`` naming the four
+    projections. Its heuristic AutoTP refuses GPT-2 (``AutoTP.tp_parser`` asserts ``AutoTP.supported(model)``,
+    which lists "gpt2" as unsupported, deepspeed/module_inject/auto_tp.py in 0.19.8), and its
+    partition_config layers are ``nn.Linear``-only (Conv1D's [in, out] weight would be split on the wrong
+    dimension): so GPT-2's Conv1D are turned into ``nn.Linear`` first, as for torch_tp. c_attn's spec has
+    shape (3, -1): each of q, k and v split in 2, Megatron's stride-3 split. ``tp_model_init`` is not called:
+    in 0.19 it only records the arguments the config already gives."""
 
     def __init__(self, spec, ids):
         import logging
@@ -264,9 +282,23 @@ class DeepSpeedJob(EngineJob):
 
         deepspeed.init_distributed(dist_backend="gloo")
         model = make_model(spec)
-        if hasattr(deepspeed, "tp_model_init"):
-            model = deepspeed.tp_model_init(model, tp_size=spec["tp"], dtype=torch.float32)
+        for block in model.transformer.h:
+            attn, mlp = block.attn, block.mlp
+            attn.c_attn, attn.c_proj = to_linear(attn.c_attn), to_linear(attn.c_proj)
+            mlp.c_fc, mlp.c_proj = to_linear(mlp.c_fc), to_linear(mlp.c_proj)
+            # DeepSpeed divides the attention's num_heads and embed_dim by tp, not split_size (what GPT-2 splits
+            # c_attn's output by)
+            attn.split_size //= spec["tp"]
         cfg = engine_config(spec)
+        cfg["optimizer"]["params"] = dict(HYPER, torch_adam=True)  # torch's AdamW, the reference's (not its Adam op)
+        cfg["tensor_parallel"]["partition_config"] = {
+            "use_default_specs": False,
+            "layer_specs": [
+                {"patterns": [r".*\.attn\.c_attn\.weight$"], "partition_type": "column", "shape": [3, -1]},
+                {"patterns": [r".*\.mlp\.c_fc\.weight$"], "partition_type": "column"},
+                {"patterns": [r".*\.(attn|mlp)\.c_proj\.weight$"], "partition_type": "row"},
+            ],
+        }
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         self.model, self.ids = self.engine.module, ids
 
@@ -286,9 +318,17 @@ def importable(provider: str) -> str | None:
         return None
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
         return f"deepspeed not installed here ({type(exc).__name__}: {exc})"
+    try:
+        from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+
+        has = "partition_config" in TPTrainingConfig.model_fields
+    except ImportError:
+        has = False
+    if not has:  # AutoTP's training config without layer specs: its heuristic refuses GPT-2
+        return f"deepspeed {deepspeed.__version__} has no tensor_parallel.partition_config (measured with 0.19.8)"
     return None
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import time
 
 import torch
@@ -81,12 +82,40 @@ def _torch_every(n: int):
 
 
 def _deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the import: DeepSpeed picks its accelerator once
     try:
         import deepspeed
+        from deepspeed.runtime.activation_checkpointing import checkpointing as ds
     except ImportError:
         raise Unavailable("deepspeed is not installed (an optional extra)") from None
-    deepspeed.checkpointing.configure(None)
-    return lambda i, b, x: deepspeed.checkpointing.checkpoint(b, x)
+    # No configure(): with no arguments it only restores these module defaults (already set at import), then calls
+    # dist.get_rank() for a log line, which asserts without a process group (this bench is one process).
+    if ds.PARTITION_ACTIVATIONS or ds.CPU_CHECKPOINT or ds.CONTIGUOUS_CHECKPOINTING:
+        raise Unavailable("deepspeed.checkpointing was configured away from its defaults in this process")
+
+    def run(i, block, x):
+        # A reentrant checkpoint (as torch's use_reentrant=True): its output needs grad only if an input does, so
+        # the first block's input (the batch) is made a leaf that needs grad, or block 0's params got no grads.
+        y = deepspeed.checkpointing.checkpoint(block, x if x.requires_grad else x.detach().requires_grad_())
+        return _Kept.apply(y, *(t for t in y.grad_fn.deepspeed_saved_tensors if torch.is_tensor(t)))
+
+    return run
+
+
+class _Kept(torch.autograd.Function):
+    """Identity on `y` that saves `kept` for backward. DeepSpeed's checkpoint keeps its inputs on its ctx
+    (``ctx.deepspeed_saved_tensors``), not through ``save_for_backward``, so saved-tensor hooks (the bytes metric)
+    never see them; saved here, the same storages are counted, with no extra memory, and freed a node earlier in
+    backward than DeepSpeed frees them."""
+
+    @staticmethod
+    def forward(ctx, y, *kept):
+        ctx.save_for_backward(*kept)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(None for _ in ctx.saved_tensors)
 
 
 PROVIDERS = (

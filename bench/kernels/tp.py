@@ -14,7 +14,10 @@ rounds of one step each:
   ``attn.c_attn`` and ``mlp.c_fc``, ``RowwiseParallel`` on ``attn.c_proj``
   and ``mlp.c_proj``, GPT-2's ``Conv1D`` turned into ``nn.Linear`` first),
   ``torch.optim.AdamW``;
-* ``deepspeed``: DeepSpeed's AutoTP training, where it imports.
+* ``deepspeed``: DeepSpeed's AutoTP training (``tensor_parallel.autotp_size``
+  with a ``partition_config`` for the same four projections, GPT-2's
+  ``Conv1D`` turned into ``nn.Linear`` first: its heuristic AutoTP refuses
+  GPT-2), where it imports (``DS_ACCELERATOR=cpu``).
 
 Each provider's first two losses must equal the unsharded model's trained
 by ``torch.optim.AdamW`` in one process (rtol 1e-5) before anything is timed.
@@ -190,13 +193,17 @@ LEGEND = (
     "step each per round); spread: IQR / median; tokens/s: micro-batch x sequence / step time. Model states: bytes "
     "held per rank between steps (fastzero: the sum of its memory_breakdown(); peers: the distinct storages of "
     "params, grads and optimizer state, a DTensor by its local shard), beside the unsharded model's 16 B per param "
-    "(fp32 param, grad, exp_avg, exp_avg_sq); the embeddings, norms and tied LM head stay whole on every rank in "
-    "both plans. Split layers: this rank's params (weights and biases) of attn.c_attn, attn.c_proj, mlp.c_fc and "
-    "mlp.c_proj; x tp / unsharded is 1.0 for an exact 1/tp split (the row layers' biases are whole: slightly "
+    "(fp32 param, grad, exp_avg, exp_avg_sq; DeepSpeed sets its grads to None after its step, so it holds 12 B); "
+    "the embeddings, norms and tied LM head stay whole on every rank in every plan. Split layers: this rank's "
+    "params (weights and biases) of attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj; x tp / unsharded is 1.0 "
+    "for an exact 1/tp split (the row layers' biases are whole: slightly "
     f"above 1); target: within {TARGET:.0%}. Comm: the bytes of the tensors handed to collectives in one step "
-    "(each all-reduce's tensor), recorded by a dispatch mode on rank 0 and 1 (the larger shown). Megatron formula: "
-    "4 all-reduces of b x s x h fp32 elements per layer per micro-batch (2 forward, 2 backward); fastzero adds one "
-    "all-reduce of 2 fp64 scalars (the global gradient norm's tensor-parallel part, 16 bytes)."
+    "(each all-reduce's tensor), recorded by a dispatch mode on rank 0 and 1 (the larger shown); a collective over "
+    "a group of one rank moves nothing and is left out (DeepSpeed's all-reduce of its flat grads over its "
+    "data-parallel group of 1). Megatron formula: 4 all-reduces of b x s x h fp32 elements per layer per "
+    "micro-batch (2 forward, 2 backward); fastzero adds one all-reduce of 2 fp64 scalars (the global gradient "
+    "norm's tensor-parallel part, 16 bytes). gradient_clipping is 0 for both engines (DeepSpeed 0.19's default, "
+    "1.0, would change the update and add a norm all-reduce)."
 )
 
 FAMILY = Family(

@@ -5,6 +5,7 @@ first) and yields well-formed rows: the split layers at 1/tp per rank, the
 collectives at Megatron's formula; a missing DeepSpeed is a skipped row
 with its reason; only the same-run ratio is gated."""
 
+import importlib.util
 import json
 
 import pytest
@@ -67,6 +68,27 @@ def test_quick_run_rows_report_and_a_missing_peer(tmp_path, no_deepspeed):
     assert [(r["provider"], r["metric"]) for r in gated] == [("fastzero", "speedup_vs_torch_tp")]
     text = md.read_text()
     assert "| fastzero |" in text and "| deepspeed | skipped: deepspeed not installed here" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (the peers extra)")
+def test_deepspeed_autotp_rows(tmp_path, monkeypatch):
+    """DeepSpeed's AutoTP (its partition_config on GPT-2 as nn.Linear) trains the unsharded model's losses, splits
+    the same four projections in half and all-reduces what Megatron does."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    js = tmp_path / "r.json"
+    args = "--kernel tp --quick --sizes 64 --repeats 2 --warmup 1 --skip fastzero --skip torch_tp --json".split()
+    assert run.main([*args, str(js)]) == 0
+    res = json.loads(js.read_text())
+    (case,) = res["cases"]
+    assert case["skipped"] == {}
+    got = {r["metric"]: r["value"] for r in res["rows"] if r["provider"] == "deepspeed"}
+    h, s, b, v = 64, 32, 2, 1024
+    per_rank = 4 * (6 * h * h + 1.5 * h + h + 2 * h + h)
+    whole = 4 * (v * h + s * h + 3 * 2 * h)
+    assert got["split_layer_bytes"] == per_rank and got["split_target_met"] == 1.0
+    # params, exp_avg, exp_avg_sq (and AdamW's step scalars): DeepSpeed drops its grads after the step
+    assert got["model_state_bytes"] == pytest.approx(3 * (per_rank + whole), rel=0.01)
+    assert got["comm_bytes"] == 4 * b * s * h * 4 and got["collectives"] == 4  # its flat-grad all-reduce: 1 rank
 
 
 def test_a_wrong_loss_fails_before_timing():
