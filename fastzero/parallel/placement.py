@@ -424,7 +424,8 @@ def apply(
     for (_, block), mode in zip(named, modes):
         if mode != "none":
             _wrap(block, "full" if mode == "full" else wrap_policy)
-    kept, transient, chosen = _arrays({**options, "full": options.get("full", options[name])}, modes)
+    shown = options if "full" in options else {**options, "full": options[name]}  # for the blocks left alone
+    kept, transient, chosen = _arrays(shown, modes)
     report = Placement(
         budget_bytes=budget_bytes,
         policy=name,
