@@ -13,7 +13,9 @@ each storage once, params left out):
   configured partitioning / CPU copy / selective policy keeps);
 - ``transient[i]``: the most its recompute adds during its backward (every
   block is wrapped in the reentrant :func:`checkpoint`, keyword inputs
-  passed positionally, so each recompute runs in sight of the hooks);
+  passed positionally, so each recompute runs in sight of the hooks), or
+  the most its forward holds above ``kept[i]`` (the selective policy holds
+  every costed output until the block ends), whichever is more;
 - ``flops[i]``: the recompute cost of the block's costed ops (matmuls,
   attention: :func:`fastzero.parallel.selective.op_flops`), and
   ``kept_flops[i]`` what the selective policy saves of it;
@@ -82,6 +84,7 @@ class Placement:
     peak_bytes_none: int  # with none
     modes: list[str] = None  # per block: "none", "selective" or "full"
     flops: list[int] = None  # per block: recompute FLOPs of its costed ops under full recompute
+    kept_flops: list[int] = None  # per block: of those, what the selective policy keeps (mixed and selective)
     recompute_flops: int = 0  # of the placement chosen
 
     def __str__(self) -> str:
@@ -338,6 +341,14 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], sample: Any,
     transient = [0] * len(blocks)
     current = [None]
     base = {}
+    # kept: what the block's forward leaves alive (its holds dropped at its end are not kept); forward: its most
+    before, kept, forward, running = [0] * len(blocks), [0] * len(blocks), [0] * len(blocks), [None]
+
+    def enter(i: int) -> None:
+        running[0], before[i] = i, meter.live
+
+    def leave(i: int) -> None:
+        running[0], kept[i] = None, meter.live - before[i]
 
     def make_probe(i: int):
         def probe() -> None:  # a recompute starts: the peak from here on is this block's
@@ -356,17 +367,25 @@ def _measure(model: nn.Module, blocks: list[tuple[str, nn.Module]], sample: Any,
         if current[0] is not None:
             meter.local = max(meter.local, meter.live)
             transient[current[0]] = max(transient[current[0]], meter.local - base[current[0]])
+        if running[0] is not None:
+            forward[running[0]] = max(forward[running[0]], meter.live - before[running[0]])
         return handle
 
     meter.count = count
+    hooks = []
     try:
         for i, (_, b) in enumerate(blocks):
             _wrap(b, policy, probe=make_probe(i))
+            hooks.append(b.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
+            hooks.append(b.register_forward_hook(lambda m, a, o, i=i: leave(i)))
         _run(model, blocks, sample, meter)
     finally:
+        for h in hooks:
+            h.remove()
         for _, b in blocks:
             _unwrap(b)
-    return [meter.by_tag.get(n, 0) for n in names], transient, [meter.kept_flops.get(n, 0) for n in names]
+    transient = [max(t, f - k) for t, f, k in zip(transient, forward, kept)]
+    return kept, transient, [meter.kept_flops.get(n, 0) for n in names]
 
 
 def _policy(policy: Any, selective: Any) -> tuple[str, Any]:
@@ -440,6 +459,7 @@ def apply(
         peak_bytes_none=outside + sum(full),
         modes=list(modes),
         flops=flops,
+        kept_flops=kept_flops,
         recompute_flops=recompute_flops(flops, kept_flops, modes),
     )
     log.info("%s", report)

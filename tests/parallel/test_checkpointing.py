@@ -482,6 +482,61 @@ def test_placement_leaves_rng_buffers_and_grads_alone_and_training_bit_exact():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters(), strict=True))
 
 
+def measured_modes(net: Net, x: Tensor, modes) -> tuple[int, int]:
+    """The measured peak of one per-block assignment of none / selective / full, and its recompute FLOPs."""
+    placement.unapply(net)
+    for layer, mode in zip(net.layers, modes):
+        if mode != "none":
+            placement._wrap(layer, "full" if mode == "full" else checkpointing.SelectivePolicy())
+    with checkpointing.SavedBytes(net.parameters()) as meter:
+        net(x).sum().backward()
+    placement.unapply(net)
+    return meter.peak
+
+
+def test_mixed_placement_fits_the_budget_with_the_least_recompute():
+    torch.manual_seed(0)
+    net, x = Net(mults=(1, 4, 2), width=8), torch.randn(16, 8)
+    every = list(itertools.product(placement.MODES, repeat=3))
+    peaks = {m: measured_modes(net, x, m) for m in every}
+    none, reachable = peaks[("none",) * 3], min(peaks.values())
+    report = checkpointing.apply(net, none, sample_input=x, policy="mixed")
+    assert report.modes == ["none"] * 3 and report.recompute_flops == 0
+    # a block's two Linears cost 2 * 16 rows * 8 * 8m each; the selective policy keeps the one of inner size 8m
+    # (m = 1: a tie, the earlier), whose output is as large as the block's input: the default limit
+    assert report.flops == [4 * 16 * 64 * m for m in (1, 4, 2)]
+    assert report.kept_flops == [2 * 16 * 64 * m for m in (1, 4, 2)]
+    seen = set()
+    for budget in (none, (none + reachable) // 2, reachable + (none - reachable) // 5, reachable):
+        report = checkpointing.apply(net, budget, sample_input=x, policy="mixed")
+        modes = tuple(report.modes)
+        seen.update(modes)
+        assert report.peak_bytes == peaks[modes] <= budget  # the prediction is the measured peak
+        assert measured_peak_of_applied(net, x) == peaks[modes]
+        assert report.chosen == [f"layers.{i}" for i, m in enumerate(modes) if m != "none"]
+        cost = {m: placement.recompute_flops(report.flops, report.kept_flops, m) for m in every}
+        assert report.recompute_flops == cost[modes] == min(cost[m] for m in every if peaks[m] <= budget)
+    assert seen == {"none", "selective", "full"}  # the budgets above need all three (e.g. selective, selective, none)
+    assert report.modes[-1] == "none"  # the last block recomputed would peak with all else alive: never worth it
+    # training under the mixed placement is bit for bit the plain run's, dropout included
+    net.zero_grad(set_to_none=True)
+    checkpointing.model_parallel_cuda_manual_seed(1)
+    torch.manual_seed(2)
+    got = net(x)
+    got.sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    checkpointing.unapply(net)
+    net.zero_grad(set_to_none=True)
+    checkpointing.model_parallel_cuda_manual_seed(1)
+    torch.manual_seed(2)
+    want = net(x)
+    want.sum().backward()
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters(), strict=True))
+    with pytest.raises(ValueError, match="no placement of checkpoints fits it"):
+        checkpointing.apply(net, reachable - 1, sample_input=x, policy="mixed")
+
+
 def test_placement_bad_input_is_named():
     net, x = Net(), torch.randn(5, 7)
     with pytest.raises(ValueError, match="budget_bytes = 0"):
