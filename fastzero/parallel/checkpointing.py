@@ -589,7 +589,7 @@ def _context_fn(policy: Any) -> Callable:
             return forward_ctx(), recompute_ctx()
         fn = _policy_fn(policy)
         meter = _METER
-        sac_bytes = [0]
+        held: list[Any] = []  # the meter's handles of the cached outputs (each storage once, as every count)
         if meter is not None:
             inner = fn
 
@@ -597,14 +597,15 @@ def _context_fn(policy: Any) -> Callable:
                 decision = inner(ctx, op, *args, **kwargs)
                 keep = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
                 if keep and not ctx.is_recompute:
-                    sac_bytes[0] += meter.add_output(ctx.op_output)
+                    outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+                    held.extend(meter.count(t) for t in outs if torch.is_tensor(t))
                 return decision
 
             @contextlib.contextmanager
             def recompute_and_release(base=recompute_ctx):
                 with base():
                     yield
-                meter.release(sac_bytes[0])  # the cached outputs are consumed by the recompute
+                held.clear()  # the cached outputs are consumed by the recompute
 
             recompute_ctx = recompute_and_release
         fwd_mode, rec_mode = create_selective_checkpoint_contexts(fn)
@@ -762,22 +763,6 @@ class SavedBytes:
         self.refs[ptr] -= 1
         if self.refs[ptr] == 0:
             self.live -= self.sizes.pop(ptr)
-
-    def add_output(self, out: Any) -> int:
-        """Counts an op output the selective policy keeps; returns its bytes."""
-        total = 0
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if torch.is_tensor(t) and t.numel():
-                n = t.untyped_storage().nbytes()
-                total += n
-                self.live += n
-                if self.tag is not None:
-                    self.by_tag[self.tag] += n
-        self.peak = max(self.peak, self.live)
-        return total
-
-    def release(self, nbytes: int) -> None:
-        self.live -= nbytes
 
     def _pack(self, t: Tensor):
         return t, self.count(t)
