@@ -19,7 +19,9 @@ In the block's forward every costed output is held until the block ends;
 then they are ranked by FLOPs per byte (ties: the smaller first) and kept
 while their bytes fit ``max_kept_ratio`` times the block's tensor inputs'
 bytes (an output that does not fit is skipped and smaller ones are still
-tried); the rest are dropped. The recompute runs every op again except the
+tried); the rest are dropped, and so is an output an in-place op changed
+later in the block (it no longer holds what the op made; one changed after
+the block, while its tensor is alive, is recomputed instead of taken back). The recompute runs every op again except the
 kept ones, whose outputs it takes back in order (matched by op, call number
 and input shapes; an op that does not match is simply recomputed), so the
 results are bit for bit those of the plain run. Random ops are never kept
@@ -30,6 +32,7 @@ forward.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,7 +148,6 @@ class Kept:
     def __init__(self) -> None:
         self.outputs: dict[tuple[Any, int], tuple[tuple, Any, Any]] = {}
         self.flops = 0  # the recompute FLOPs these outputs save
-        self.total_flops = 0  # of all the costed ops of the call
         self.nbytes = 0
 
 
@@ -158,6 +160,11 @@ class _Held:
     handles: list  # the meter's, held as long as the output
     flops: int
     nbytes: int
+    made: list[Tensor]  # the op's own outputs (a detached alias made here does not share their version counter)
+    versions: list[int]  # of those when made: an in-place op since then changed what they hold
+
+    def unchanged(self) -> bool:
+        return [t._version for t in self.made] == self.versions
 
 
 class Record(TorchDispatchMode):
@@ -181,7 +188,9 @@ class Record(TorchDispatchMode):
             nbytes = _nbytes(out)
             kept = _detached(out)
             handles = [self.count(t) for t in _tensors(kept)] if self.count is not None else []
-            self.held.append(_Held(func, index, _signature(args, kwargs), kept, handles, flops, nbytes))
+            made = _tensors(out)
+            versions = [t._version for t in made]
+            self.held.append(_Held(func, index, _signature(args, kwargs), kept, handles, flops, nbytes, made, versions))
         return out
 
     def choose(self, limit: float) -> Kept:
@@ -189,13 +198,18 @@ class Record(TorchDispatchMode):
         # most FLOPs per byte first; ties: the smaller, then the earlier (sorted() is stable)
         ranked = sorted(self.held, key=lambda h: (-h.flops / max(h.nbytes, 1), h.nbytes))
         for h in ranked:
-            kept.total_flops += h.flops
-            if kept.nbytes + h.nbytes <= limit:
-                kept.outputs[(h.func, h.index)] = (h.signature, h.out, h.handles)
+            if h.unchanged() and kept.nbytes + h.nbytes <= limit:
+                refs = [weakref.ref(t) for t in h.made]  # weak: a block's output must not hold itself through ctx
+                kept.outputs[(h.func, h.index)] = (h.signature, h.out, h.handles, refs, h.versions)
                 kept.nbytes += h.nbytes
                 kept.flops += h.flops
         self.held = []  # the others (and their handles) go now
         return kept
+
+
+def _unchanged(refs: list, versions: list[int]) -> bool:
+    """No in-place op changed the outputs since they were kept (as far as the ones still alive tell)."""
+    return all(r() is None or r()._version == v for r, v in zip(refs, versions))
 
 
 class Replay(TorchDispatchMode):
@@ -211,6 +225,6 @@ class Replay(TorchDispatchMode):
         index = self.calls[func]
         self.calls[func] += 1
         entry = self.kept.outputs.pop((func, index), None)
-        if entry is not None and entry[0] == _signature(args, kwargs):
+        if entry is not None and entry[0] == _signature(args, kwargs) and _unchanged(entry[3], entry[4]):
             return entry[1]
         return func(*args, **kwargs)

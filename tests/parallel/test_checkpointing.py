@@ -365,6 +365,25 @@ def test_selective_policy_keeps_the_costliest_per_byte_up_to_its_limit(ratio, ke
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def test_selective_policy_does_not_keep_an_output_changed_in_place():
+    torch.manual_seed(0)
+    W = nn.Parameter(torch.randn(6, 6))
+    x = torch.randn(4, 6)
+
+    def block(h):
+        y = h.mm(W)
+        y.mul_(2)  # the mm's output no longer holds what the mm made
+        return y.tanh()
+
+    block(x).sum().backward()
+    want, W.grad = W.grad, None
+    with checkpointing.SavedBytes([W]) as meter:
+        out = checkpointing.checkpoint(block, x, policy=checkpointing.SelectivePolicy(math.inf))
+        assert meter.live == 4 * 6 * 4  # the input only
+        out.sum().backward()
+    assert torch.equal(W.grad, want)
+
+
 class Pair(nn.Module):
     """tanh(x @ W1) @ W2, W1 [d, 2d], W2 [2d, d]: without a checkpoint it saves x and the tanh output."""
 
