@@ -28,11 +28,14 @@ What is kept of the function's tensor inputs until the recompute
 - ``profile``: forward, recompute, gather and copy times are summed,
   :func:`timings`.
 
-Beyond DeepSpeed: ``checkpoint(fn, *args, policy="selective")`` keeps the
-matmul and attention outputs and recomputes only the cheap elementwise ops
-(``torch.utils.checkpoint``'s selective-checkpoint contexts), and
-:func:`apply` checkpoints the fewest blocks of a model that keep its saved
-activations under a byte budget (:mod:`fastzero.parallel.placement`).
+Beyond DeepSpeed: ``checkpoint(fn, *args, policy="selective")`` (or
+``policy=SelectivePolicy(max_kept_ratio=...)``) keeps the op outputs whose
+recompute costs the most FLOPs per byte, up to a byte limit relative to the
+block's inputs, and recomputes the rest (:mod:`fastzero.parallel.selective`);
+a list of aten ops or a ``torch.utils.checkpoint`` policy function keeps
+what it names (torch's selective-checkpoint contexts); and :func:`apply`
+places checkpoints under a byte budget on a model's blocks
+(:mod:`fastzero.parallel.placement`).
 """
 
 from __future__ import annotations
@@ -48,14 +51,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils import checkpoint as _torch_cp
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from fastzero.parallel.groups import group_rank, group_size, tensor_group
 from fastzero.parallel.rng import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from fastzero.parallel.selective import Record, Replay, SelectivePolicy
 
 __all__ = [
     "SavedBytes",
+    "SelectivePolicy",
     "apply",
     "checkpoint",
     "configure",
@@ -410,13 +416,22 @@ def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run_function: Callable, anchor: Tensor, *args: Any) -> Any:
+    def forward(ctx, run_function: Callable, policy: SelectivePolicy | None, anchor: Tensor, *args: Any) -> Any:
         ctx.run_function = run_function
         ctx.rng = _RNGSnapshot.take()
         ctx.autocast = _autocast_state()
         s = _settings
-        with _phase("forward"), torch.no_grad():
+        meter = _METER
+        keeps = policy is not None and policy.max_kept_ratio > 0
+        record = Record(meter.count if meter is not None else None) if keeps else None
+        with _phase("forward"), torch.no_grad(), record or contextlib.nullcontext():
             outputs = run_function(*args)
+        ctx.kept = None
+        if record is not None:  # the limit is relative to the inputs, which the checkpoint keeps anyway
+            inputs = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
+            ctx.kept = record.choose(policy.max_kept_ratio * inputs)
+            if meter is not None and meter.tag is not None:
+                meter.kept_flops[meter.tag] += ctx.kept.flops
         ctx.positions, tensors, kept = [], [], []
         for i, a in enumerate(args):
             if torch.is_tensor(a):
@@ -452,8 +467,11 @@ class _CheckpointFunction(torch.autograd.Function):
         with _phase("recompute"), ctx.rng.replay(), contextlib.ExitStack() as stack:
             for kind, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            if ctx.kept is not None:
+                stack.enter_context(Replay(ctx.kept))
             with torch.enable_grad():
                 outputs = ctx.run_function(*args)
+        ctx.kept = None  # kept outputs the recompute did not take back go now
         outs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
@@ -462,7 +480,7 @@ class _CheckpointFunction(torch.autograd.Function):
         out: list[Any] = [None] * len(args)
         for (i, _), g in zip(ctx.positions, inputs):
             out[i] = g
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
 # A leaf that requires grad, passed to every reentrant checkpoint: without one, a call whose inputs need no grad
@@ -475,21 +493,29 @@ def checkpoint(function: Callable, *args: Any, policy: Any = None) -> Any:
     """DeepSpeed's ``checkpoint(function, *args)``: runs `function` without
     keeping its activations and recomputes it before its backward (once per
     call in each direction), with the RNG replayed and the configured
-    treatment of its inputs. ``policy="selective"`` (or a list of aten ops to
-    keep, or a ``torch.utils.checkpoint`` policy function) keeps those ops'
-    outputs and recomputes the rest (:func:`selective_checkpoint`)."""
+    treatment of its inputs. ``policy="selective"`` or a
+    :class:`SelectivePolicy` keeps the op outputs that cost the most to
+    recompute per byte, up to its limit (:mod:`fastzero.parallel.selective`);
+    a list of aten ops to keep, or a ``torch.utils.checkpoint`` policy
+    function, goes through :func:`selective_checkpoint`."""
     if policy is not None and policy != "full":
         return selective_checkpoint(function, *args, policy=policy)
     if not torch.is_grad_enabled():
         return function(*args)  # nothing will be saved: nothing to recompute
-    return _CheckpointFunction.apply(function, _anchor(), *args)
+    return _CheckpointFunction.apply(function, None, _anchor(), *args)
+
+
+def _cost_ranked(policy: Any) -> SelectivePolicy | None:
+    if isinstance(policy, SelectivePolicy):
+        return policy
+    return SelectivePolicy() if isinstance(policy, str) and policy == "selective" else None
 
 
 # -- the non-reentrant forms: torch.utils.checkpoint with fastzero's RNG, inputs and policies ---------------------
 
 _aten = torch.ops.aten
-# The ops whose outputs the selective policy keeps: matmuls and attention cost O(n^3)/O(n^2 d) to recompute,
-# while the elementwise ops between them cost O(n) and are what most of the saved bytes are.
+# Every matmul and attention output: ``policy=SELECTIVE_SAVE`` keeps them all (the most memory of the selective
+# choices; "selective" keeps the best of them under a limit).
 SELECTIVE_SAVE = tuple(
     getattr(_aten, name).default
     for name in (
@@ -509,9 +535,7 @@ SELECTIVE_SAVE = tuple(
 
 
 def _policy_fn(policy: Any) -> Callable:
-    if policy == "selective":
-        ops = set(SELECTIVE_SAVE)
-    elif isinstance(policy, (list, tuple, set)):
+    if isinstance(policy, (list, tuple, set)):
         ops = set(policy)
         for op in ops:
             if not isinstance(op, torch._ops.OpOverload):
@@ -520,8 +544,9 @@ def _policy_fn(policy: Any) -> Callable:
         return policy
     else:
         raise ValueError(
-            f"policy = {policy!r}: use None or 'full' (recompute everything), 'selective' (keep matmul and "
-            "attention outputs), a list of aten ops to keep, or a torch.utils.checkpoint policy function"
+            f"policy = {policy!r}: use None or 'full' (recompute everything), 'selective' or a SelectivePolicy (keep "
+            "the outputs that cost the most to recompute per byte, up to a limit), a list of aten ops to keep, or a "
+            "torch.utils.checkpoint policy function"
         )
 
     def keep_listed(ctx, op, *args, **kwargs):
@@ -564,7 +589,7 @@ def _context_fn(policy: Any) -> Callable:
             return forward_ctx(), recompute_ctx()
         fn = _policy_fn(policy)
         meter = _METER
-        sac_bytes = [0]
+        held: list[Any] = []  # the meter's handles of the cached outputs (each storage once, as every count)
         if meter is not None:
             inner = fn
 
@@ -572,14 +597,15 @@ def _context_fn(policy: Any) -> Callable:
                 decision = inner(ctx, op, *args, **kwargs)
                 keep = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
                 if keep and not ctx.is_recompute:
-                    sac_bytes[0] += meter.add_output(ctx.op_output)
+                    outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+                    held.extend(meter.count(t) for t in outs if torch.is_tensor(t))
                 return decision
 
             @contextlib.contextmanager
             def recompute_and_release(base=recompute_ctx):
                 with base():
                     yield
-                meter.release(sac_bytes[0])  # the cached outputs are consumed by the recompute
+                held.clear()  # the cached outputs are consumed by the recompute
 
             recompute_ctx = recompute_and_release
         fwd_mode, rec_mode = create_selective_checkpoint_contexts(fn)
@@ -627,12 +653,26 @@ def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> A
 
 def selective_checkpoint(function: Callable, *args: Any, policy: Any = "selective", **kwargs: Any) -> Any:
     """Checkpoints `function` keeping the outputs of the ops the policy
-    names and recomputing the others: ``"selective"`` keeps
-    :data:`SELECTIVE_SAVE` (matmuls and attention); a list of aten
-    overloads keeps those; a function is ``torch.utils.checkpoint``'s
-    policy function."""
-    _policy_fn(policy)  # a bad policy raises here, before any work
-    return _run_torch_checkpoint(function, args, kwargs, policy)
+    picks and recomputing the others. ``"selective"`` or a
+    :class:`SelectivePolicy`: the outputs that cost the most to recompute
+    per byte, up to its limit, on the reentrant :func:`checkpoint`
+    (keyword arguments are passed to it positionally, so keyword tensors
+    get their grads; ``torch.autograd.grad`` is not supported, as for
+    :func:`checkpoint`). A list of aten overloads keeps those; a function
+    is ``torch.utils.checkpoint``'s policy function: both on
+    ``torch.utils.checkpoint`` (non-reentrant)."""
+    ranked = _cost_ranked(policy)
+    if ranked is None:
+        _policy_fn(policy)  # a bad policy raises here, before any work
+        return _run_torch_checkpoint(function, args, kwargs, policy)
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    names, n = list(kwargs), len(args)
+
+    def positional(*all_args: Any) -> Any:
+        return function(*all_args[:n], **dict(zip(names, all_args[n:])))
+
+    return _CheckpointFunction.apply(positional if names else function, ranked, _anchor(), *args, *kwargs.values())
 
 
 def apply(model: Any, budget_bytes: int, **kwargs: Any) -> Any:
@@ -659,9 +699,13 @@ class SavedBytes:
     (the model's params): ``live`` now, ``peak`` the most at any time, and
     per ``tag`` (set with :meth:`tagged`) the bytes first saved under it.
     Tensors kept by a checkpoint (its inputs, pieces, CPU copies, the
-    selective policy's cached outputs) are counted where they are kept;
-    what the recompute saves is counted during the backward when the
-    backward runs inside the block.
+    selective policy's kept outputs) are counted where they are kept, and
+    so is what a recompute saves, when the backward runs inside the block:
+    fastzero's reentrant recompute saves through these hooks, and the
+    tensors ``torch.utils.checkpoint`` (non-reentrant) recomputes are counted
+    from its recompute until autograd takes them back (its recompute hook is
+    wrapped while the meter is active). ``peak`` over a forward and backward
+    is thus the peak of saved activations, recompute transients included.
 
         with SavedBytes(model.parameters()) as m:
             loss = model(x).sum()
@@ -676,20 +720,22 @@ class SavedBytes:
         self.live = 0
         self.peak = 0
         self.by_tag: dict[str, int] = defaultdict(int)
+        self.kept_flops: dict[str, int] = defaultdict(int)  # per tag: recompute FLOPs the selective policy saves
         self.tag: str | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self) -> SavedBytes:
         global _METER
-        self._previous = _METER
+        self._previous = _METER, _torch_cp._recomputation_hook
         _METER = self
+        _torch_cp._recomputation_hook = _metered_recomputation_hook(self)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         global _METER
         self._hooks.__exit__(*exc)
-        _METER = self._previous
+        _METER, _torch_cp._recomputation_hook = self._previous
 
     @contextlib.contextmanager
     def tagged(self, tag: str) -> Iterator[None]:
@@ -718,28 +764,40 @@ class SavedBytes:
         if self.refs[ptr] == 0:
             self.live -= self.sizes.pop(ptr)
 
-    def add_output(self, out: Any) -> int:
-        """Counts an op output the selective policy keeps; returns its bytes."""
-        total = 0
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if torch.is_tensor(t) and t.numel():
-                n = t.untyped_storage().nbytes()
-                total += n
-                self.live += n
-                if self.tag is not None:
-                    self.by_tag[self.tag] += n
-        self.peak = max(self.peak, self.live)
-        return total
-
-    def release(self, nbytes: int) -> None:
-        self.live -= nbytes
-
     def _pack(self, t: Tensor):
         return t, self.count(t)
 
     @staticmethod
     def _unpack(packed):
         return packed[0]
+
+
+def _metered_recomputation_hook(meter: SavedBytes) -> type:
+    """torch.utils.checkpoint's recompute hook, also counting what it saves:
+    each tensor stays counted while torch holds it (until the handle that
+    keys it in the frame goes, when autograd unpacks it)."""
+    base = _torch_cp._recomputation_hook
+
+    class Metered(base):
+        def __init__(self, target_frame_ref: Any, gid: Any) -> None:
+            super().__init__(target_frame_ref, gid)
+            inner = self.pack_hook
+
+            def pack_hook(x: Tensor) -> Any:
+                frame = target_frame_ref()
+                index = frame.recomp_counter[gid] if frame is not None else None
+                try:
+                    return inner(x)  # the last one of an early-stopped recompute raises after storing x
+                finally:
+                    stored = index is not None and index < len(frame.weak_holders)
+                    holder = frame.weak_holders[index]() if stored else None
+                    key = holder.handles.get(gid) if holder is not None else None
+                    if key is not None:
+                        key.fastzero_meter = meter.count(x)  # dropped with the key
+
+            self.pack_hook = pack_hook
+
+    return Metered
 
 
 class _Handle:

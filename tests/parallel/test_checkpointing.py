@@ -7,6 +7,7 @@ section and initialize at ZeRO 0-3 (2 ranks)."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -72,6 +73,7 @@ HOW = {
     "non_reentrant": checkpointing.non_reentrant_checkpoint,
     "selective": lambda b, h: checkpointing.checkpoint(b, h, policy="selective"),
     "selective_list": lambda b, h: checkpointing.selective_checkpoint(b, h, policy=[torch.ops.aten.addmm.default]),
+    "selective_all": lambda b, h: checkpointing.checkpoint(b, h, policy=checkpointing.SelectivePolicy(math.inf)),
 }
 
 
@@ -117,7 +119,7 @@ def blocks_and_input(width: int = 11, n: int = 3, rows: int = 6):
     return nn.ModuleList(Block(width) for _ in range(n)), torch.randn(rows, width)
 
 
-@pytest.mark.parametrize("how", ["full", "non_reentrant", "selective", "selective_list"])
+@pytest.mark.parametrize("how", ["full", "non_reentrant", "selective", "selective_list", "selective_all"])
 def test_grads_equal_the_plain_run_bit_for_bit_with_dropout(how):
     blocks, x = blocks_and_input()
     want = run(blocks, x, "none")
@@ -311,11 +313,130 @@ def test_selective_keeps_matmuls_between_full_and_none():
     assert full < sel < none
 
 
+class Chain(nn.Module):
+    """x -> x @ A -> gelu -> @ B -> tanh -> @ C: three matmuls of known cost per byte (k / 2 FLOPs per fp32 byte):
+    B's output 8 (120 bytes at 5 rows), A's 4 (320 bytes), C's 3 (80 bytes); the input is 160 bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.A, self.B, self.C = (nn.Parameter(torch.randn(*s) / 3) for s in ((8, 16), (16, 6), (6, 4)))
+
+    def forward(self, x):
+        return torch.tanh(F.gelu(x.mm(self.A)).mm(self.B)).mm(self.C)
+
+
+class CountMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """The forward-shaped mm calls (no backward mm has these argument shapes): which matmuls ran."""
+
+    FORWARD = {((5, 8), (8, 16)): "A", ((5, 16), (16, 6)): "B", ((5, 6), (6, 4)): "C"}
+
+    def __init__(self):
+        super().__init__()
+        self.ran = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            name = self.FORWARD.get((tuple(args[0].shape), tuple(args[1].shape)))
+            if name:
+                self.ran.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "ratio, kept",
+    [(0.0, ""), (0.5, "C"), (1.0, "B"), (1.25, "BC"), (2.75, "BA"), (3.25, "BAC"), (math.inf, "BAC")],
+)
+def test_selective_policy_keeps_the_costliest_per_byte_up_to_its_limit(ratio, kept):
+    torch.manual_seed(0)
+    net = Chain()
+    x = torch.randn(5, 8, requires_grad=True)
+    net(x).sin().sum().backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in net.parameters()]
+    x.grad = None
+    net.zero_grad(set_to_none=True)
+    nbytes = {"A": 320, "B": 120, "C": 80}
+    with checkpointing.SavedBytes(net.parameters()) as meter:
+        out = checkpointing.checkpoint(net, x, policy=checkpointing.SelectivePolicy(ratio))
+        assert meter.live == 160 + sum(nbytes[k] for k in kept)  # the input and exactly the outputs it keeps
+        with CountMM() as mm:
+            out.sin().sum().backward()
+    assert sorted(mm.ran) == sorted(set("ABC") - set(kept))  # the recompute ran every matmul but the kept ones
+    got = [x.grad] + [p.grad for p in net.parameters()]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_selective_policy_does_not_keep_an_output_changed_in_place():
+    torch.manual_seed(0)
+    W = nn.Parameter(torch.randn(6, 6))
+    x = torch.randn(4, 6)
+
+    def block(h):
+        y = h.mm(W)
+        y.mul_(2)  # the mm's output no longer holds what the mm made
+        return y.tanh()
+
+    block(x).sum().backward()
+    want, W.grad = W.grad, None
+    with checkpointing.SavedBytes([W]) as meter:
+        out = checkpointing.checkpoint(block, x, policy=checkpointing.SelectivePolicy(math.inf))
+        assert meter.live == 4 * 6 * 4  # the input only
+        out.sum().backward()
+    assert torch.equal(W.grad, want)
+
+
+class Pair(nn.Module):
+    """tanh(x @ W1) @ W2, W1 [d, 2d], W2 [2d, d]: without a checkpoint it saves x and the tanh output."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.W1, self.W2 = nn.Parameter(torch.randn(d, 2 * d) / 3), nn.Parameter(torch.randn(2 * d, d) / 3)
+
+    def forward(self, x):
+        return torch.tanh(x.mm(self.W1)).mm(self.W2)
+
+
+@pytest.mark.parametrize(
+    "how, after_forward, peak",
+    [
+        ("none", 9, 9),  # per block x (1) and tanh's output (2), all alive at the end of the forward
+        # the 3 inputs; the last block's recompute adds its tanh output (2) while the inputs are all alive
+        ("full", 3, 5),
+        ("torch", 3, 5),  # torch.utils.checkpoint's recompute, metered the same
+        # + the last block's W2 output (1, k = 2d ranks first; the others' are the next inputs, counted
+        # already); its recompute's tanh output (2) comes before the W2 output is taken back
+        ("selective", 4, 6),
+    ],
+)
+def test_peak_saved_bytes_over_forward_and_backward_equal_the_hand_count(how, after_forward, peak):
+    torch.manual_seed(0)
+    rows, d = 5, 4
+    S = rows * d * 4  # bytes of one [rows, d] fp32 tensor
+    blocks = nn.ModuleList(Pair(d) for _ in range(3))
+    wrap = {
+        "none": lambda b, h: b(h),
+        "full": checkpointing.checkpoint,
+        "torch": lambda b, h: torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False),
+        "selective": lambda b, h: checkpointing.checkpoint(b, h, policy="selective"),
+    }[how]
+    x = torch.randn(rows, d, requires_grad=True)
+    with checkpointing.SavedBytes(blocks.parameters()) as meter:
+        h = x
+        for b in blocks:
+            h = wrap(b, h)
+        assert meter.live == after_forward * S
+        h.sum().backward()
+    assert meter.peak == peak * S
+    assert meter.live == 0
+
+
 def test_a_bad_policy_is_named():
     with pytest.raises(ValueError, match="policy = 'some'"):
         checkpointing.checkpoint(lambda x: x, torch.ones(1), policy="some")
     with pytest.raises(TypeError, match="aten overloads"):
         checkpointing.selective_checkpoint(lambda x: x, torch.ones(1), policy=[torch.ops.aten.mm])
+    for bad in (-1, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="max_kept_ratio"):
+            checkpointing.SelectivePolicy(bad)
 
 
 # -- placement under a budget --------------------------------------------------------------------------------------
@@ -378,6 +499,61 @@ def test_placement_leaves_rng_buffers_and_grads_alone_and_training_bit_exact():
     want.sum().backward()
     assert torch.equal(got, want)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters(), strict=True))
+
+
+def measured_modes(net: Net, x: Tensor, modes) -> tuple[int, int]:
+    """The measured peak of one per-block assignment of none / selective / full, and its recompute FLOPs."""
+    placement.unapply(net)
+    for layer, mode in zip(net.layers, modes):
+        if mode != "none":
+            placement._wrap(layer, "full" if mode == "full" else checkpointing.SelectivePolicy())
+    with checkpointing.SavedBytes(net.parameters()) as meter:
+        net(x).sum().backward()
+    placement.unapply(net)
+    return meter.peak
+
+
+def test_mixed_placement_fits_the_budget_with_the_least_recompute():
+    torch.manual_seed(0)
+    net, x = Net(mults=(1, 4, 2), width=8), torch.randn(16, 8)
+    every = list(itertools.product(placement.MODES, repeat=3))
+    peaks = {m: measured_modes(net, x, m) for m in every}
+    none, reachable = peaks[("none",) * 3], min(peaks.values())
+    report = checkpointing.apply(net, none, sample_input=x, policy="mixed")
+    assert report.modes == ["none"] * 3 and report.recompute_flops == 0
+    # a block's two Linears cost 2 * 16 rows * 8 * 8m each; the selective policy keeps the one of inner size 8m
+    # (m = 1: a tie, the earlier), whose output is as large as the block's input: the default limit
+    assert report.flops == [4 * 16 * 64 * m for m in (1, 4, 2)]
+    assert report.kept_flops == [2 * 16 * 64 * m for m in (1, 4, 2)]
+    seen = set()
+    for budget in (none, (none + reachable) // 2, reachable + (none - reachable) // 5, reachable):
+        report = checkpointing.apply(net, budget, sample_input=x, policy="mixed")
+        modes = tuple(report.modes)
+        seen.update(modes)
+        assert report.peak_bytes == peaks[modes] <= budget  # the prediction is the measured peak
+        assert measured_peak_of_applied(net, x) == peaks[modes]
+        assert report.chosen == [f"layers.{i}" for i, m in enumerate(modes) if m != "none"]
+        cost = {m: placement.recompute_flops(report.flops, report.kept_flops, m) for m in every}
+        assert report.recompute_flops == cost[modes] == min(cost[m] for m in every if peaks[m] <= budget)
+    assert seen == {"none", "selective", "full"}  # the budgets above need all three (e.g. selective, selective, none)
+    assert report.modes[-1] == "none"  # the last block recomputed would peak with all else alive: never worth it
+    # training under the mixed placement is bit for bit the plain run's, dropout included
+    net.zero_grad(set_to_none=True)
+    checkpointing.model_parallel_cuda_manual_seed(1)
+    torch.manual_seed(2)
+    got = net(x)
+    got.sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    checkpointing.unapply(net)
+    net.zero_grad(set_to_none=True)
+    checkpointing.model_parallel_cuda_manual_seed(1)
+    torch.manual_seed(2)
+    want = net(x)
+    want.sum().backward()
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters(), strict=True))
+    with pytest.raises(ValueError, match="no placement of checkpoints fits it"):
+        checkpointing.apply(net, reachable - 1, sample_input=x, policy="mixed")
 
 
 def test_placement_bad_input_is_named():
