@@ -21,6 +21,7 @@ KERNELS = {
     "onebit": ".onebit:ONEBIT",
     "onebit_allreduce": ".onebit_allreduce:FAMILY",
     "tp": ".tp:FAMILY",
+    "pipeline": ".pipeline:FAMILY",
 }
 
 
