@@ -11,6 +11,11 @@ does). A load reads whichever pieces overlap what the loading rank owns, so it
 resumes at any world size and stage, with the optimizer state; :func:`consolidate`
 assembles a plain fp32 ``state_dict``.
 
+With a pipeline the ranks hold different params: rank 0 writes the union of
+what every rank sends with its file index (names, shapes, groups, aliases;
+each stage's buffers), and a load matches params, groups and buffers by name,
+so a checkpoint loads at any pipeline layout (docs/checkpoints.md).
+
 Layout of a save directory::
 
     latest                  the tag of the newest checkpoint (text, replaced atomically)
