@@ -11,6 +11,11 @@ does). A load reads whichever pieces overlap what the loading rank owns, so it
 resumes at any world size and stage, with the optimizer state; :func:`consolidate`
 assembles a plain fp32 ``state_dict``.
 
+With a pipeline the ranks hold different params: rank 0 writes the union of
+what every rank sends with its file index (names, shapes, groups, aliases;
+each stage's buffers), and a load matches params, groups and buffers by name,
+so a checkpoint loads at any pipeline layout (docs/checkpoints.md).
+
 Layout of a save directory::
 
     latest                  the tag of the newest checkpoint (text, replaced atomically)
@@ -208,17 +213,15 @@ def _validated_tag(comm, tag: str, mode: str) -> str:
 
 def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclude_frozen: bool, nodes) -> str:
     """Rank 0: writes ``extra.pt`` into `path` and returns the manifest's
-    text (every rank's file index and checksum in `payloads`; `nodes`: the
-    node layout of a node-local save, else None)."""
-    aliases, rest = _module_split(engine)
+    text (every rank's file index, checksum and contribution in `payloads`:
+    the manifest holds their union; `nodes`: the node layout of a
+    node-local save, else None)."""
+    union = _union(engine, [c for _, _, c in payloads], exclude_frozen)
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    frozen = sorted(k for k, v in rest.items() if isinstance(v, torch.nn.Parameter))  # the rest: buffers
-    excluded = frozen if exclude_frozen else []
-    module_state = {k: v.detach().cpu().clone() for k, v in rest.items() if k not in excluded}
-    extra = {"client_state": client_state or {}, "module_state": module_state, "lr_scheduler": sched}
-    extra["frozen_params"] = frozen
-    extra["excluded_frozen_params"] = excluded  # not saved: a strict load does not miss them
-    checksums = {rank_file(r): inf for r, (_, inf) in enumerate(payloads)}
+    extra = {"client_state": client_state or {}, "module_state": union["module"], "lr_scheduler": sched}
+    extra["frozen_params"] = union["frozen"]
+    extra["excluded_frozen_params"] = union["excluded"]  # not saved: a strict load does not miss them
+    checksums = {rank_file(r): inf for r, (_, inf, _) in enumerate(payloads)}
     checksums["extra.pt"] = files.save_file(path / "extra.pt", extra)
     manifest = {
         "format": FORMAT,
@@ -233,24 +236,19 @@ def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclud
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "onebit_errors": _has_errors(engine),
         "optimizer": _state_kind(engine),
-        "groups": [
-            {
-                "step": int(float(og.get("step", 0))),
-                "names": g.names,
-                "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"},
-            }
-            for g, og in zip(engine.groups, engine.optimizer.param_groups)
-        ],
-        "params": _logical_shapes(engine),
-        "files": {rank_file(r): idx for r, (idx, _) in enumerate(payloads)},
+        "groups": union["groups"],
+        "params": union["params"],
+        "files": {rank_file(r): idx for r, (idx, _, _) in enumerate(payloads)},
         "checksums": checksums,
-        "aliases": aliases,
+        "aliases": union["aliases"],
     }
     if nodes is not None:
         manifest["node_local"] = {"nodes": nodes.ranks}
     split = tp.manifest_entry(tp.engine_splits(engine), tp.engine_tp(engine)[0])
     if split is not None:
         manifest["tensor_parallel"] = split
+    if union["pipeline"] is not None:  # informational: a load matches params by name at any layout
+        manifest["pipeline"] = union["pipeline"]
     return json.dumps(manifest, indent=1)
 
 
@@ -261,6 +259,110 @@ def _logical_shapes(engine) -> dict[str, list[int]]:
         n: splits[n].full_shape(list(s)) if n in splits else list(s)
         for g in engine.groups
         for n, s in zip(g.names, g.shapes)
+    }
+
+
+def _pipeline_of(engine) -> tuple[int, int, int] | None:
+    """(stages, virtual stages, this rank's stage) of a pipeline engine with more than one stage, else None."""
+    if getattr(engine, "pipe_comm", None) is None or not hasattr(engine, "stage_id"):
+        return None
+    return engine.num_stages, engine.virtual_stages, engine.stage_id
+
+
+def _contribution(engine, exclude_frozen: bool) -> dict:
+    """What this rank adds to the manifest and ``extra.pt``: its params'
+    logical shapes, its groups (names, step, hyper), aliases, and its
+    module's other names (frozen params, and which of them the save leaves
+    out). A pipeline stage's first data (and tensor) rank also sends its
+    buffers and frozen params (other stages hold other ones); without a
+    pipeline rank 0's are the model's and no tensor travels."""
+    aliases, rest = _module_split(engine)
+    frozen = sorted(k for k, v in rest.items() if isinstance(v, torch.nn.Parameter))
+    excluded = frozen if exclude_frozen else []
+    pipe = _pipeline_of(engine)
+    sends = pipe is not None and _comm(engine).rank != 0 and engine.comm.rank == 0 and tp.engine_tp(engine)[1] == 0
+    groups = [
+        {
+            "step": int(float(og.get("step", 0))),
+            "names": list(g.names),
+            "hyper": {k: v for k, v in og.items() if k != "params" and k != "step"},
+        }
+        for g, og in zip(engine.groups, engine.optimizer.param_groups)
+    ]
+    return {
+        "params": _logical_shapes(engine),
+        "groups": groups,
+        "aliases": aliases,
+        "frozen": frozen,
+        "excluded": excluded,
+        "module": {k: v.detach().cpu().clone() for k, v in rest.items() if k not in excluded} if sends else None,
+        "stage": None if pipe is None else pipe[2],
+    }
+
+
+def _union(engine, contributions: list[dict], exclude_frozen: bool) -> dict:
+    """Rank 0: the union of every rank's contribution (rank 0's own module
+    state taken from its module). A name held by several ranks (a tied
+    weight on several stages, a replica) must agree everywhere: shape,
+    group step and hyperparameters, alias, buffer value."""
+    mine = _contribution(engine, exclude_frozen)
+    _, rest = _module_split(engine)
+    mine["module"] = {k: v.detach().cpu().clone() for k, v in rest.items() if k not in mine["excluded"]}
+    contributions = [mine, *contributions[1:]]
+    params: dict[str, list[int]] = {}
+    groups: list[dict] = []
+    in_group: dict[str, dict] = {}
+    aliases: dict[str, str] = {}
+    module: dict[str, torch.Tensor] = {}
+    owners: dict[str, list[int]] = {}
+    frozen, excluded = set(), set()
+
+    def disagree(what: str, name: str, rank: int) -> CheckpointSaveError:
+        return CheckpointSaveError(
+            f"save_checkpoint: {what} of {name} on rank {rank} differs from another rank's (the ranks' models are "
+            "not replicas of one model); nothing was saved"
+        )
+
+    for rank, c in enumerate(contributions):
+        for name, shape in c["params"].items():
+            if params.setdefault(name, shape) != shape:
+                raise disagree("the shape", name, rank)
+            if c["stage"] is not None and c["stage"] not in owners.setdefault(name, []):
+                owners[name].append(c["stage"])
+        for g in c["groups"]:
+            fresh = [n for n in g["names"] if n not in in_group]
+            for n in g["names"]:
+                seen = in_group.get(n)
+                if seen is not None and (seen["step"], json.dumps(seen["hyper"], sort_keys=True, default=str)) != (
+                    g["step"],
+                    json.dumps(g["hyper"], sort_keys=True, default=str),
+                ):
+                    raise disagree("the optimizer group (step, hyperparameters)", n, rank)
+            if fresh:
+                entry = {"step": g["step"], "names": fresh, "hyper": g["hyper"]}
+                groups.append(entry)
+                in_group.update(dict.fromkeys(fresh, entry))
+        for alias, target in c["aliases"].items():
+            if aliases.setdefault(alias, target) != target:
+                raise disagree("the param aliased", alias, rank)
+        frozen.update(c["frozen"])
+        excluded.update(c["excluded"])
+        for name, t in (c["module"] or {}).items():
+            if name in module and not (module[name].shape == t.shape and torch.equal(module[name], t)):
+                raise disagree("the buffer or frozen param", name, rank)
+            module.setdefault(name, t)
+    pipe = _pipeline_of(engine)
+    layout = None
+    if pipe is not None:
+        layout = {"stages": pipe[0], "virtual_stages": pipe[1], "owners": {n: sorted(s) for n, s in owners.items()}}
+    return {
+        "params": params,
+        "groups": groups,
+        "aliases": aliases,
+        "module": module,
+        "frozen": sorted(frozen),
+        "excluded": sorted(excluded),
+        "pipeline": layout,
     }
 
 
@@ -382,7 +484,7 @@ def save_checkpoint(
     path = tag_dir / version
 
     # 2. every rank writes its file (fsynced, with its checksum)
-    index = info = None
+    index = info = contribution = None
     try:
         pieces = []
         splits, (_, tp_rank) = tp.engine_splits(engine), tp.engine_tp(engine)
@@ -403,9 +505,10 @@ def save_checkpoint(
         own = {"pieces": pieces, "rng": torch.get_rng_state(), "onebit": _onebit_state(engine)}
         info = files.save_file(path / rank_file(comm.rank), own)
         index = [[p["name"], p["lo"], p["hi"]] for p in pieces]
+        contribution = _contribution(engine, exclude_frozen_parameters) if comm.rank != 0 else None
     except Exception as exc:
         error = exc
-    payloads, failed = _outcomes(comm, error, (index, info))
+    payloads, failed = _outcomes(comm, error, (index, info, contribution))
     if failed:
         if nodes.leader:
             abort()
@@ -586,7 +689,29 @@ def _read_extra(path: Path, manifest: dict) -> dict:
     return extra
 
 
-def _check_model(manifest: dict, engine, path: Path) -> None:
+@dataclass(frozen=True)
+class _Trained:
+    """What every rank of the loading job trains and holds, by name (one all-gather across a pipeline's
+    stages; without a pipeline every rank holds the whole model, and these are this rank's)."""
+
+    params: frozenset[str]
+    module: frozenset[str]  # buffers and frozen params
+
+
+def _trained(engine, comm) -> _Trained:
+    """Every rank calls it (a pipeline engine: one all-gather of names over the world)."""
+    params = {n for g in engine.groups for n in g.names}
+    module = set(_module_split(engine)[1])
+    if _pipeline_of(engine) is not None:
+        gathered = comm.all_gather_objects((sorted(params), sorted(module)))
+        params = {n for p, _ in gathered for n in p}
+        module = {n for _, m in gathered for n in m}
+    return _Trained(frozenset(params), frozenset(module))
+
+
+def _check_model(manifest: dict, engine, path: Path, trained: _Trained | None = None) -> None:
+    """This rank's params against the checkpoint's (name, logical shape), and the params every rank trains
+    (`trained`) against all the checkpoint holds: another model's checkpoint fails on every rank."""
     saved = manifest["params"]
     logical = _logical_shapes(engine)
     for g in engine.groups:
@@ -599,26 +724,54 @@ def _check_model(manifest: dict, engine, path: Path) -> None:
                     f"{path}: param {name} has shape {tuple(saved[name])} in the checkpoint and "
                     f"{tuple(shape)} in the model"
                 )
-    ours = {n for g in engine.groups for n in g.names}
+    ours = trained.params if trained is not None else {n for g in engine.groups for n in g.names}
     extra = [n for n in saved if n not in ours]
     if extra:
-        raise CheckpointError(f"{path}: param {extra[0]} of the checkpoint is not trained by this engine")
-    if [grp["names"] for grp in manifest["groups"]] != [g.names for g in engine.groups]:
-        raise CheckpointError(f"{path}: the checkpoint's param groups differ from the engine's")
+        where = "by any rank of this job" if _pipeline_of(engine) is not None else "by this engine"
+        raise CheckpointError(f"{path}: param {extra[0]} of the checkpoint is not trained {where} (another model?)")
+    missing = sorted(n for n in ours if n not in saved)
+    if missing:  # another rank's param: each rank checks its own shapes, this one only names it
+        raise CheckpointError(f"{path}: param {missing[0]} of the model is not in the checkpoint (another model?)")
+
+
+def _saved_groups(manifest: dict, engine, path: Path) -> list[dict | None]:
+    """For each of the engine's param groups, the saved group (step, hyper) its params were in: matched per
+    param name, so a load at another pipeline layout (other groups per stage) takes each param's own. The
+    params of one group must come from saved groups that agree (None: a group without params)."""
+    by_name = {n: g for g in manifest["groups"] for n in g["names"]}
+    out = []
+    for i, g in enumerate(engine.groups):
+        found = [by_name[n] for n in g.names if n in by_name]
+        if not found:
+            out.append(None)
+            continue
+        first = found[0]
+        key = (first["step"], json.dumps(first["hyper"], sort_keys=True, default=str))
+        for n, other in zip(g.names, found):
+            if (other["step"], json.dumps(other["hyper"], sort_keys=True, default=str)) != key:
+                raise CheckpointError(
+                    f"{path}: the params of this engine's param group {i} were saved in groups with different "
+                    f"step or hyperparameters ({g.names[0]} and {n}); put them in separate param groups, or pass "
+                    "load_optimizer_states=False"
+                )
+        out.append(first)
+    return out
 
 
 def _module_state(
-    engine, saved: dict, path: Path, strict: bool, excluded: list[str] = ()
+    engine, saved: dict, path: Path, strict: bool, excluded: list[str] = (), everyone: frozenset[str] | None = None
 ) -> tuple[dict, list[str], list[str]]:
     """The saved buffers and frozen params to load into the module, and the
-    names missing from the checkpoint and not in the module. Strict: any
+    names missing from the checkpoint and not in the module (`everyone`:
+    the names every rank's module holds, a pipeline's stages together). Strict: any
     such name is a CheckpointError; a shape that differs always is. The
     frozen params the save `excluded` (exclude_frozen_parameters) are not
     missing: the module keeps its own, as DeepSpeed's load does."""
     _, ours = _module_split(engine)
     left_out = {k for k in excluded if isinstance(ours.get(k), torch.nn.Parameter)}
     missing = [k for k in ours if k not in saved and k not in left_out]
-    unexpected = [k for k in saved if k not in ours]
+    held = ours if everyone is None else everyone
+    unexpected = [k for k in saved if k not in held]
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{path}: the module's buffers and frozen params differ from the checkpoint's: missing from the "
@@ -653,6 +806,7 @@ class _Ready:
     unexpected: list[str]
     own_file: dict
     same_world: bool
+    groups: list[dict | None]  # per engine param group, the saved group of its params
 
 
 def _masters_from_weights(pieces: dict[str, list[PieceState]], dtype: torch.dtype) -> dict[str, list[PieceState]]:
@@ -690,15 +844,18 @@ def _check_layout(manifest: dict, engine, nodes, path: Path) -> set[str] | None:
     return {rank_file(r) for r in nodes.mine}
 
 
-def _prepare(engine, located, strict: bool, optimizer_states: bool = True, nodes=None) -> _Ready | None:
+def _prepare(
+    engine, located, strict: bool, optimizer_states: bool = True, nodes=None, trained: _Trained | None = None
+) -> _Ready | None:
     """Reads and checks all this rank needs from the checkpoint `located`
     ((the tag's directory, its files'), or None: nothing to load); `nodes`:
-    a node-local load's layout."""
+    a node-local load's layout; `trained`: what every rank trains and holds."""
     if located is None:
         return None
     tag_dir, path = located
     manifest = read_manifest(path)
-    _check_model(manifest, engine, path)
+    _check_model(manifest, engine, path, trained)
+    groups = _saved_groups(manifest, engine, path) if optimizer_states else [None] * len(engine.groups)
     only = None if nodes is None else _check_layout(manifest, engine, nodes, path)
     saved_kind, kind = manifest.get("optimizer", ADAM_STATE), _state_kind(engine)
     if optimizer_states and saved_kind != kind:
@@ -717,16 +874,20 @@ def _prepare(engine, located, strict: bool, optimizer_states: bool = True, nodes
         pieces = _masters_from_weights(pieces, engine.dtype)
     extra = _read_extra(path, manifest)
     excluded = extra.get("excluded_frozen_params", [])
-    module_state, missing, unexpected = _module_state(engine, extra["module_state"], path, strict, excluded)
+    everyone = None if trained is None else trained.module
+    module_state, missing, unexpected = _module_state(engine, extra["module_state"], path, strict, excluded, everyone)
     same_size = (manifest.get("tensor_parallel") or {}).get("size", 1) == tp.engine_tp(engine)[0]
-    same_world = manifest["world_size"] == _comm(engine).world_size and same_size
+    pipe = _pipeline_of(engine)
+    saved_pipe = manifest.get("pipeline") or {}
+    same_pipe = (saved_pipe.get("stages", 1), saved_pipe.get("virtual_stages", 1)) == (pipe or (1, 1, 0))[:2]
+    same_world = manifest["world_size"] == _comm(engine).world_size and same_size and same_pipe
     own_file = {}
     if same_world:
         name = rank_file(_comm(engine).rank)
         own_file = read[name] if name in read else read_checked(path, name, manifest)
         if not isinstance(own_file, dict):
             raise CheckpointError(f"{path / name} is not a rank file; the file is corrupt")
-    return _Ready(tag_dir, manifest, pieces, extra, module_state, missing, unexpected, own_file, same_world)
+    return _Ready(tag_dir, manifest, pieces, extra, module_state, missing, unexpected, own_file, same_world, groups)
 
 
 def _tp_pieces(engine, path, manifest, wanted, read, only, hint) -> dict[str, list[PieceState]]:
@@ -823,10 +984,12 @@ def load_checkpoint(
     if engine._config.checkpoint.use_node_local_storage:  # every rank reads its node's directory only
         nodes, root, _ = checkpoint_nodes.layout(comm, load_dir)
         located = _locate_on_nodes(comm, nodes, root, tag)
+    trained = _trained(engine, comm)  # before anything that can fail on one rank only: every rank gathers
     try:
         if nodes is None:
             located = files.locate(load_dir, tag)
-        ready = _prepare(engine, located, load_module_strict, load_optimizer_states and not load_module_only, nodes)
+        optimizer_states = load_optimizer_states and not load_module_only
+        ready = _prepare(engine, located, load_module_strict, optimizer_states, nodes, trained)
     except Exception as exc:  # any failure must reach the agreement, or the other ranks would go on alone
         error = exc
     # one slot per rank (1: it failed), and the count of ranks that found no 'latest'
@@ -886,8 +1049,8 @@ def _apply(
     with torch.no_grad():
         for g, opt_params in _groups(engine):
             g.pieces_in(engine.optimizer, opt_params, ready.pieces, keys)
-        for group, saved in zip(engine.optimizer.param_groups, manifest["groups"]):
-            if load_optimizer_states:
+        for group, saved in zip(engine.optimizer.param_groups, ready.groups):
+            if load_optimizer_states and saved is not None:
                 if "step" in group or saved["step"]:  # a client optimizer's groups may have no counter
                     group["step"] = saved["step"]
                 group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved["hyper"].items()})

@@ -138,6 +138,21 @@ def _validate(manifest: Any, where: Path) -> None:
                 and sorted(r for n in v["nodes"] for r in n) == list(range(world))
             ),
         )
+    if "pipeline" in manifest:  # informational: the layout that saved it (a load matches params by name)
+        need(
+            "pipeline",
+            'an object {"stages": int >= 1, "virtual_stages": int >= 1, "owners": {param name: [stage, ...]}}',
+            lambda v: (
+                isinstance(v, dict)
+                and _is_int(v.get("stages"), 1)
+                and _is_int(v.get("virtual_stages"), 1)
+                and isinstance(v.get("owners"), dict)
+                and all(
+                    n in params and isinstance(s, list) and all(_is_int(x, 0, v["stages"] - 1) for x in s)
+                    for n, s in v["owners"].items()
+                )
+            ),
+        )
     if version >= 2:
         files = [*manifest["files"], "extra.pt"]
         sum_ok = lambda c: isinstance(c, dict) and _is_int(c.get("crc32"), 0, 2**32 - 1) and _is_int(c.get("bytes"), 0)
