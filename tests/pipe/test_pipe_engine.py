@@ -17,7 +17,7 @@ from tests.paths import WORKERS
 
 WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-6)
-BASE = {"blocks": 6, "micro_batches": 4, "steps": 4, "clip": 0.05, "tied": True}
+BASE = {"blocks": 6, "micro_batches": 4, "steps": 10, "clip": 0.05, "tied": True}
 
 RUNS = {
     "1f1b-p2-z0": {"schedule": "1f1b", "stages": 2, "zero": 0},
@@ -89,19 +89,21 @@ def test_low_precision_tracks_fp32(results, key):
 
 def test_a_non_finite_gradient_on_one_stage_skips_the_step_everywhere(results):
     for res in results["skip"]:
-        assert res["skipped"] == [0, 1, 1, 1], res["skipped"]
+        assert res["skipped"] == [0] + [1] * (BASE["steps"] - 1), res["skipped"]
         assert res["norms"][1] != res["norms"][1] or res["norms"][1] == float("inf")
 
 
 def test_fp16_overflow_on_one_stage_skips_and_lowers_the_scale_on_every_rank(results):
     for res in results["fp16-skip-z3"]:
-        assert res["skipped"] == [0, 1, 1, 1], res["skipped"]
-        assert res["scales"] == [256.0, 128.0, 128.0, 128.0], res["scales"]  # hysteresis 1: one overflow halves it
+        assert res["skipped"] == [0] + [1] * (BASE["steps"] - 1), res["skipped"]
+        # hysteresis 1: one overflow halves it
+        assert res["scales"] == [256.0] + [128.0] * (BASE["steps"] - 1), res["scales"]
 
 
 def test_fp16_scales_the_loss_without_overflow(results):
     for res in results["fp16"]:
-        assert res["skipped"] == [0, 0, 0, 0] and res["scales"] == [256.0] * 4, (res["skipped"], res["scales"])
+        n = BASE["steps"]
+        assert res["skipped"] == [0] * n and res["scales"] == [256.0] * n, (res["skipped"], res["scales"])
 
 
 @pytest.mark.parametrize("key", [k for k, r in RUNS.items() if r.get("zero") == 3])
