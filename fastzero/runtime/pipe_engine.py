@@ -204,13 +204,13 @@ class PipelineEngine(Engine):
             rest = [p for p in g["params"] if not any(id(p) in t[1] for t in self._tied)]
             if rest:
                 out.append({**g, "params": rest})
-        for key, ids, *_ in self._tied:
+        for _, ids, *_ in self._tied:
             for g in groups:
                 mine = [p for p in g["params"] if id(p) in ids and id(p) not in taken]
                 taken.update(id(p) for p in mine)
                 if mine:
-                    out.append({**g, "params": mine, "tied_key": key})
-        return [{k: v for k, v in g.items() if k != "tied_key"} for g in out]
+                    out.append({**g, "params": mine})
+        return out
 
     def _tied_of(self, group: ZeroGroup) -> tuple[str, set[int], Any, bool] | None:
         return next((t for t in self._tied if group.params and id(group.params[0]) in t[1]), None)
