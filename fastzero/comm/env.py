@@ -166,6 +166,7 @@ def init_distributed(
                 f"torch.distributed is already initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
                 f"but the environment says rank {env.rank} of {env.world_size}"
             )
+        _destroy_at_exit()  # a group the script made: the same teardown hazard
         return env
     backend = backend or default_backend()
     if backend == "nccl" and torch.cuda.is_available():
@@ -177,8 +178,22 @@ def init_distributed(
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    atexit.register(_destroy)  # the group this call made; left alive, torch's teardown at exit may abort
+    _destroy_at_exit()
     return env
+
+
+_registered = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroys the default group at exit (once per process), whoever made
+    it: left alive, torch's teardown at interpreter exit may abort the
+    process (SIGABRT, "terminate called without an active exception") while
+    Gloo's threads still hold tensors."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(_destroy)
 
 
 def _destroy() -> None:

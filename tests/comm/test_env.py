@@ -121,3 +121,29 @@ def test_a_rank_that_dies_makes_the_other_fail_within_the_timeout(tmp_path):
     # group depends on how torch tears down (it may abort)
     assert "failed after" in out and "no error" not in out, out + err[-2000:]
     assert float(out.split()[2]) < 60
+
+
+@pytest.mark.parametrize("made_by", ["fastzero", "the script"])
+def test_the_default_group_is_destroyed_at_exit_whoever_made_it(tmp_path, made_by):
+    """Left alive, torch's teardown at interpreter exit may abort the process
+    (SIGABRT) while Gloo's threads hold tensors; init_distributed registers
+    the teardown once, also for a group the script made itself."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import atexit, torch, torch.distributed as dist
+        from fastzero.comm import init_distributed
+        # registered first, so it runs last (atexit is last-in, first-out)
+        atexit.register(lambda: print("alive at exit:", dist.is_initialized(), flush=True))
+        if {made_by == "the script"}:
+            dist.init_process_group("gloo")
+        init_distributed(timeout_s=60)
+        init_distributed(timeout_s=60)  # once per process, however often it is called
+        dist.all_reduce(torch.ones(3))
+    """)
+    )
+    procs = start_ranks(script, 2)
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip() == "alive at exit: False", out + err[-2000:]
