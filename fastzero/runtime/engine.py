@@ -105,7 +105,7 @@ class Engine(torch.nn.Module):
     wrapped module's (see there for stage 3).
     """
 
-    _pipelined = False  # the pipeline engine trains over a pipe axis too
+    _pipelined = False  # the pipeline engine trains over a pipe axis too (and reduces stage 2 once per step)
 
     def __init__(
         self,
@@ -192,6 +192,7 @@ class Engine(torch.nn.Module):
                     comm=self.comm,
                     bucket_size=bucket,
                     overlap=overlap,
+                    reduce_once=self._pipelined,  # stage 2: once per step, after the last micro-batch
                     **reduction,
                 )
                 for g in groups

@@ -9,7 +9,11 @@ its shard of the gradient, the fp32 master and the optimizer state.
   the flat param buffer; an all-gather brings everyone's chunks back.
 * stage 2: no full gradient buffer; each gradient is copied into a pooled
   bucket as backward produces it and freed, and the bucket reduce-scattered
-  (accumulating over micro-batches) into the shard.
+  (accumulating over micro-batches) into the shard. With `reduce_once`
+  (the pipeline engine) the micro-batches' gradients accumulate on the
+  params instead and are reduce-scattered once, during the step's last
+  backward: one collective per bucket per step, for a full gradient's memory
+  between the micro-batches.
 
 It implements :class:`~fastzero.runtime.groups.ZeroGroup` (and, for 1-bit
 Adam, :class:`~fastzero.runtime.groups.CompressingGroup`).
@@ -39,10 +43,13 @@ class FlatGroup(CompressingGroup):
         overlap: bool,
         comm_dtype: torch.dtype | None = None,
         pre_scale: float = 1.0,
+        reduce_once: bool = False,
     ) -> None:
         """`comm_dtype` and `pre_scale`: the gradient reduction's (see
-        fastzero.comm.buckets)."""
+        fastzero.comm.buckets); `reduce_once`: stage 2 reduces on the
+        boundary backward only (module docstring)."""
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
+        self.reduce_once = reduce_once and stage == 2
         self.shapes = [p.shape for p in params]
         world, self.rank = (comm.world_size, comm.rank) if stage >= 1 else (1, 0)
         self.layout = FlatLayout([p.numel() for p in params], world, bucket_size)
@@ -93,18 +100,19 @@ class FlatGroup(CompressingGroup):
     # -- what the engine calls around backward ---------------------------------------
     def begin_backward(self, first: bool, boundary: bool) -> None:
         """Before a micro-batch's backward: stage 2 reduces every micro-batch
-        (accumulating after the first), stages 0-1 only on the boundary. A
+        (accumulating after the first), stages 0-1 and stage 2 with
+        `reduce_once` only on the boundary. A
         second backward on the boundary accumulates, as PyTorch does: stage 1
         reduce-scatters the local sum again; stage 0, whose all-reduce works
         in place, sets the sum it already has aside and adds it back after."""
         self.attach_grads()
-        if self.stage == 2:
+        if self.stage == 2 and not self.reduce_once:
             self.reducer.begin(accumulate=not first)
         elif boundary:
             if self.stage == 0 and self._reduced:
                 self._carry = self.flat_grad.clone()
                 self.flat_grad.zero_()
-            self.reducer.begin()
+            self.reducer.begin(accumulate=self.reduce_once and self._reduced)
 
     def grad_ready(self, i: int, p: Tensor) -> None:
         """Param i's gradient is final for this backward (its post-accumulate-grad hook)."""
@@ -117,6 +125,10 @@ class FlatGroup(CompressingGroup):
 
     def end_backward(self) -> None:
         reduced = self.reducer.active
+        if self.reduce_once and reduced:  # a param whose gradient came from earlier micro-batches only
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self.grad_ready(i, p)
         self.reducer.finish()
         self._reduced = self._reduced or reduced
         if self._carry is not None:

@@ -11,7 +11,8 @@ What it adds to :class:`~fastzero.runtime.engine.Engine`:
   by :class:`fastzero.pipe.p2p.P2P`.
 * The ZeRO groups see a pipeline stage's backwards as the plain engine's
   micro-batch backwards: the first accumulates fresh, the last is the
-  boundary whose reductions overlap it. Zero-bubble's split backward hands
+  boundary whose reductions overlap it; stage 2 too reduces on the boundary
+  only (``FlatGroup(reduce_once=True)``). Zero-bubble's split backward hands
   every gradient over at W (:mod:`fastzero.pipe.weight_grad`), so the groups
   see one accumulation per micro-batch there too.
 * Tied weights (``TiedLayerSpec``) get a ZeRO group of their own per key,

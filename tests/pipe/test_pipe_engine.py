@@ -116,6 +116,14 @@ def test_stage3_gathers_each_param_once_per_step_not_per_micro_batch(results, ke
         assert res["eval_gathers"] == res["units"]
 
 
+@pytest.mark.parametrize("key", [k for k, r in RUNS.items() if r.get("zero") == 2 and not r.get("expect_error")])
+def test_stage2_reduce_scatters_each_bucket_once_per_step_not_per_micro_batch(results, key):
+    for res in results[key]:
+        # one reduce-scatter per bucket per step, during the last backward, at 4 or 6 micro-batches alike
+        assert res["buckets"] > 0
+        assert res["scatters"] == [res["buckets"]] * BASE["steps"], (res["scatters"], res["buckets"])
+
+
 def test_auto_picks_a_schedule_that_trains_the_same(results):
     ref = results["auto"][0]["reference"]
     for res in results["auto"]:

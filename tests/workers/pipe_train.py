@@ -158,7 +158,7 @@ def train(run: dict) -> dict:
     training_data = dataset() if run.get("loader") else None
     engine, *_ = fastzero.initialize(model=model, config=config(run), training_data=training_data)
     data_rank = engine.module.topology.get_coord(engine.global_rank).data
-    losses, norms, skipped, scales, gathers = [], [], [], [], []
+    losses, norms, skipped, scales, gathers, scatters = [], [], [], [], [], []
     engine.comm.record.clear()
     if run.get("fail") == "raise" and engine.stage_id == 1:  # a stage whose layer raises in the second step
 
@@ -188,6 +188,7 @@ def train(run: dict) -> dict:
         scales.append(engine.loss_scale)
         # stage 3's param all-gathers in this step (tagged "param:<name>")
         gathers.append(sum(e.tag.startswith("param:") for e in engine.comm.events("all_gather")))
+        scatters.append(len(engine.comm.events("reduce_scatter")))  # the gradients' (stages 1-2)
         engine.comm.record.clear()
     units = len(engine.fetcher.unit_of) if engine.fetcher is not None else 0
     evaluated = float(engine.eval_batch(iter([batch(100, k, data_rank) for k in range(run["micro_batches"])])))
@@ -200,6 +201,8 @@ def train(run: dict) -> dict:
         "skipped": skipped,
         "scales": scales,
         "gathers": gathers,
+        "scatters": scatters,
+        "buckets": sum(len(g.layout.buckets) for g in engine.groups if hasattr(g, "layout")),
         "eval_gathers": eval_gathers,
         "units": units,
         "initial": initial,
