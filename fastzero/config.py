@@ -383,6 +383,9 @@ class PipelineConfig:
     schedule: str = _opt("auto", "choice", choices=("auto", "1f1b", "interleaved", "zb-h1"))
     virtual_stages: int | None = _opt(None, "int", low=1, nullable=True)  # must equal the module's (None: its own)
     p2p_timeout: float = _opt(300.0, "float", low=0.0, low_open=True)  # seconds a stage waits for a neighbour
+    # the p2p transport's process groups: one per channel (what NCCL needs for interleaved and zb-h1), one shared
+    # (Gloo's tags keep channels apart), or auto (per channel on NCCL, shared on Gloo)
+    p2p_groups: str = _opt("auto", "choice", choices=("auto", "shared", "per_channel"))
     stages: int | str = _opt("auto", "auto_int")  # DeepSpeed's: the module's num_stages ("auto": whatever it has)
     partition: str = _opt("best", "str")  # DeepSpeed's: accepted, the module's partition_method decides
     seed_layers: bool = _opt(False, "bool")  # DeepSpeed's: accepted, the module's seed_layers decides

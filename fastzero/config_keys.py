@@ -346,6 +346,10 @@ KEYS: dict[str, Key] = {
     "pipeline.schedule": own("1f1b, interleaved, zb-h1, or auto: the fastest that fits the memory"),
     "pipeline.virtual_stages": own("virtual stages per rank for the interleaved schedule; must equal the module's"),
     "pipeline.p2p_timeout": own("seconds a stage waits for a neighbour's activation or gradient before it raises"),
+    "pipeline.p2p_groups": own(
+        "`auto` (per channel on NCCL, shared on Gloo), `shared` (one group, channels told apart by tag), "
+        "`per_channel` (a two-rank group per channel: what NCCL needs for interleaved and zb-h1)"
+    ),
     "pipeline.stages": accepted("PipelineModule's num_stages decides; a number here must equal it"),
     "pipeline.partition": accepted("PipelineModule's partition_method decides"),
     "pipeline.seed_layers": accepted("PipelineModule's seed_layers decides"),

@@ -41,6 +41,7 @@ from torch import Tensor
 from fastzero.comm import Comm
 from fastzero.config import ConfigError
 from fastzero.pipe import schedule as sched
+from fastzero.pipe.channels import ChannelP2P
 from fastzero.pipe.module import PipelineModule
 from fastzero.pipe.p2p import P2P
 from fastzero.pipe.simulate import default_schedule, simulate_schedule
@@ -155,13 +156,17 @@ class PipelineEngine(Engine):
                 f"pipeline.stages = {pc.stages} but the PipelineModule has {self.num_stages} stages: make them equal "
                 '(or "auto")'
             )
+        # NCCL matches a rank pair's sends and receives in the order posted, whatever the channel: only 1f1b posts
+        # them in the same order on both ends, so the other schedules need a communicator per channel
+        # (fastzero.pipe.channels); Gloo's tags keep channels apart in one group
+        nccl = self.device.type != "cpu"
+        self._channel_groups = pc.p2p_groups == "per_channel" or (pc.p2p_groups == "auto" and nccl)
         self.schedule_name = self._pick_schedule(pc.schedule)
-        if self.device.type != "cpu" and self.schedule_name != "1f1b":
-            # NCCL matches a rank pair's sends and receives in the order posted, whatever the channel; only 1f1b
-            # posts them in the same order on both ends (tests/pipe/test_schedule_order.py); Gloo's tags need not
+        if nccl and not self._channel_groups and self.schedule_name != "1f1b":
             raise ConfigError(
-                f"pipeline.schedule {self.schedule_name} on {self.device.type} (NCCL) is not supported yet: its two "
-                "ends of a stage pair post messages in different orders, which NCCL cannot match; use 1f1b"
+                f"pipeline.schedule {self.schedule_name} on {self.device.type} (NCCL) with pipeline.p2p_groups "
+                '"shared": its two ends of a stage pair post messages in different orders, which one NCCL '
+                'communicator cannot match; set p2p_groups to "auto" or "per_channel" (or use schedule 1f1b)'
             )
         if self.schedule_name == "zb-h1" and getattr(module, "activation_checkpoint_interval", 0):
             raise ConfigError(
@@ -172,8 +177,12 @@ class PipelineEngine(Engine):
             self._schedule(self.gradient_accumulation_steps(), train=True)
         except ValueError as exc:
             raise ConfigError(f"pipeline.schedule {self.schedule_name}: {exc}") from None
-        self.p2p = P2P(timeout=pc.p2p_timeout, device=self.device)
         self._parts = self.num_stages * self.virtual_stages
+        if self._channel_groups:
+            pipelines = module.topology.get_axis_comm_lists("pipe")
+            self.p2p = ChannelP2P(pipelines, self._parts, timeout=pc.p2p_timeout, device=self.device)
+        else:
+            self.p2p = P2P(timeout=pc.p2p_timeout, device=self.device)
         self._inside_step = False
         self.data_iterator: Iterator | None = None
         self._held: tuple[list, list] | None = None  # stage 3: the units gathered for the whole step
@@ -235,8 +244,8 @@ class PipelineEngine(Engine):
             return name
         if self.virtual_stages > 1:  # the module is cut into chunks: only the interleaved schedule runs them
             return "interleaved"
-        if self.device.type != "cpu":
-            return "1f1b"  # the one schedule NCCL can run today (below)
+        if self.device.type != "cpu" and not self._channel_groups:
+            return "1f1b"  # the one schedule one NCCL communicator per pair can run (above)
         return default_schedule(self.gradient_accumulation_steps(), self.num_stages)
 
     # -- who is where -------------------------------------------------------------------------

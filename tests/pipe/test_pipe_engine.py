@@ -38,6 +38,15 @@ RUNS = {
     "auto": {"schedule": "auto", "stages": 2, "zero": 1},
     "loader": {"schedule": "1f1b", "stages": 2, "zero": 1, "loader": True},  # initialize(training_data=...)
     "bad-interleaved": {"schedule": "interleaved", "stages": 2, "expect_error": True},
+    # a two-rank process group per channel (NCCL's layout for interleaved and zb-h1), here on Gloo
+    "interleaved-p2-channels": {
+        "schedule": "interleaved",
+        "stages": 2,
+        "virtual": 2,
+        "zero": 1,
+        "groups": "per_channel",
+    },
+    "zb-h1-p4-channels": {"schedule": "zb-h1", "stages": 4, "zero": 2, "groups": "per_channel"},
 }
 INEXACT = ("bf16", "fp16", "fp16-skip-z3", "skip", "auto")
 EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in INEXACT]
@@ -122,6 +131,13 @@ def test_stage2_reduce_scatters_each_bucket_once_per_step_not_per_micro_batch(re
         # one reduce-scatter per bucket per step, during the last backward, at 4 or 6 micro-batches alike
         assert res["buckets"] > 0
         assert res["scatters"] == [res["buckets"]] * BASE["steps"], (res["scatters"], res["buckets"])
+
+
+def test_the_transport_is_the_one_pipeline_p2p_groups_names(results):
+    for key, run in RUNS.items():
+        if not run.get("expect_error"):
+            want = "ChannelP2P" if run.get("groups") == "per_channel" else "P2P"  # auto on Gloo: shared
+            assert {res["transport"] for res in results[key]} == {want}, key
 
 
 def test_auto_picks_a_schedule_that_trains_the_same(results):

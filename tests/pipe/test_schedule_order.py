@@ -2,12 +2,15 @@
 NCCL matches a pair's sends and receives in posting order whatever the
 channel, so a schedule runs on NCCL only if, for every pair of ranks, both
 ends post the pair's messages in the same order. 1F1B does (the engine runs
-it on NCCL); interleaved and zb-h1 do not (the engine refuses them there,
-until each channel has a communicator of its own)."""
+it on NCCL); interleaved and zb-h1 do not (with one communicator per pair,
+the engine refuses them there). Every schedule posts each channel's own
+messages in micro-batch order on both ends, so a communicator per channel
+(fastzero.pipe.channels) runs them all."""
 
 import pytest
 
 from fastzero.pipe import schedule as S
+from fastzero.pipe.channels import channels
 
 
 def posted(name: str, m: int, p: int, v: int, stage: int) -> list[tuple]:
@@ -46,3 +49,31 @@ def test_1f1b_posts_every_pair_in_the_same_order_on_both_ends(p):
 def test_interleaved_and_zb_h1_do_not_which_is_why_nccl_refuses_them():
     assert not same_order("zb-h1", 4, 2, 1)
     assert not same_order("interleaved", 4, 2, 2)
+
+
+def per_channel(name: str, m: int, p: int, v: int) -> dict[str, tuple[list, list]]:
+    """Each channel's micro-batches in the order its sender and its receiver post them."""
+    out: dict[str, tuple[list, list]] = {}
+    for stage in range(p):
+        for cmd in S.make_schedule(name, m, p, stage, virtual_stages=v).instructions():
+            part = stage + getattr(cmd, "chunk", 0) * p
+            kind, end = {
+                S.SendActivation: (f"act{part + 1}", 0),
+                S.RecvActivation: (f"act{part}", 1),
+                S.SendGrad: (f"grad{part - 1}", 0),
+                S.RecvGrad: (f"grad{part}", 1),
+            }.get(type(cmd), (None, None))
+            if kind is not None:
+                out.setdefault(kind, ([], []))[end].append(cmd.micro_batch)
+    return out
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_every_schedule_posts_each_channel_in_micro_batch_order_on_both_ends(name, v, p):
+    for m in [p, 2 * p, 3 * p] if name == "interleaved" else range(1, 13):
+        got = per_channel(name, m, p, v)
+        # the channels the engine names (fastzero.pipe.channels), each carrying every micro-batch once
+        assert sorted(got) == sorted(kind for _, _, kind in channels(p * v)), (m, sorted(got))
+        for kind, (sent, received) in got.items():
+            assert sent == received == list(range(m)), (name, m, p, v, kind, sent, received)

@@ -98,7 +98,11 @@ def config(run: dict) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         # stage 3: every param partitioned (none kept whole as small), so the gathers are counted
         "zero_optimization": {"stage": run.get("zero", 0), "stage3_param_persistence_threshold": 0},
-        "pipeline": {"schedule": run["schedule"], "p2p_timeout": run.get("timeout", 60)},
+        "pipeline": {
+            "schedule": run["schedule"],
+            "p2p_timeout": run.get("timeout", 60),
+            "p2p_groups": run.get("groups", "auto"),
+        },
         "gradient_clipping": run.get("clip", 0.0),
     }
     if run.get("dtype") == "bf16":
@@ -202,6 +206,7 @@ def train(run: dict) -> dict:
         "scales": scales,
         "gathers": gathers,
         "scatters": scatters,
+        "transport": type(engine.p2p).__name__,
         "buckets": sum(len(g.layout.buckets) for g in engine.groups if hasattr(g, "layout")),
         "eval_gathers": eval_gathers,
         "units": units,
