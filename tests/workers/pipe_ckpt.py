@@ -138,9 +138,9 @@ def build(run: dict, world: int):
 
 
 def train_steps(engine, topo, data: int, steps: int) -> list[float]:
-    data_rank = topo.get_coord(torch.distributed.get_rank()).data
     from fastzero.runtime.pipe_engine import PipelineEngine
 
+    data_rank = topo.get_coord(torch.distributed.get_rank()).data
     train_batch = engine.train_batch if isinstance(engine, PipelineEngine) else PlainTrainer(engine)
     m = GLOBAL_MICRO // data
     losses = []
