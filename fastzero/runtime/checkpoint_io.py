@@ -244,7 +244,9 @@ def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclud
     }
     if nodes is not None:
         manifest["node_local"] = {"nodes": nodes.ranks}
-    split = tp.manifest_entry(tp.engine_splits(engine), tp.engine_tp(engine)[0])
+    # the union's splits: with a pipeline, rank 0 holds only its own stage's params
+    size = tp.engine_tp(engine)[0]
+    split = tp.manifest_entry({n: tp.Split(d, s, size) for n, (d, s) in union["splits"].items()}, size)
     if split is not None:
         manifest["tensor_parallel"] = split
     if union["pipeline"] is not None:  # informational: a load matches params by name at any layout
@@ -291,6 +293,7 @@ def _contribution(engine, exclude_frozen: bool) -> dict:
     ]
     return {
         "params": _logical_shapes(engine),
+        "splits": {n: [sp.dim, sp.stride] for n, sp in tp.engine_splits(engine).items()},
         "groups": groups,
         "aliases": aliases,
         "frozen": frozen,
@@ -315,6 +318,7 @@ def _union(engine, contributions: list[dict], exclude_frozen: bool) -> dict:
     aliases: dict[str, str] = {}
     module: dict[str, torch.Tensor] = {}
     owners: dict[str, list[int]] = {}
+    splits: dict[str, list[int]] = {}
     frozen, excluded = set(), set()
 
     def disagree(what: str, name: str, rank: int) -> CheckpointSaveError:
@@ -329,6 +333,9 @@ def _union(engine, contributions: list[dict], exclude_frozen: bool) -> dict:
                 raise disagree("the shape", name, rank)
             if c["stage"] is not None and c["stage"] not in owners.setdefault(name, []):
                 owners[name].append(c["stage"])
+        for name, split in c["splits"].items():
+            if splits.setdefault(name, split) != split:
+                raise disagree("the tensor split (dim, stride)", name, rank)
         for g in c["groups"]:
             fresh = [n for n in g["names"] if n not in in_group]
             for n in g["names"]:
@@ -357,6 +364,7 @@ def _union(engine, contributions: list[dict], exclude_frozen: bool) -> dict:
         layout = {"stages": pipe[0], "virtual_stages": pipe[1], "owners": {n: sorted(s) for n, s in owners.items()}}
     return {
         "params": params,
+        "splits": splits,
         "groups": groups,
         "aliases": aliases,
         "module": module,

@@ -1,9 +1,14 @@
 """Pipeline checkpoints load at any layout (4 Gloo ranks): saved at pipe 2 x
 data 2 (ZeRO 1, and ZeRO 2), loaded at pipe 4, at pipe 1 (x data 4, and on
 one process), at pipe 2 x data 2 with another ZeRO stage and interleaved
-virtual stages; training goes on as the uninterrupted run. Consolidated, a
-pipeline checkpoint is the plain model's state_dict; another model's
-checkpoint fails on every rank, naming the param."""
+virtual stages; training goes on as the uninterrupted run. With tensor
+parallelism (the model's blocks ColumnParallelLinear / RowParallelLinear):
+saved at pipe 2 x data 2 (tensor 1), loaded at pipe 2 x tensor 2 and at
+pipe 1 x tensor 2 x data 2 on the plain engine; saved at pipe 2 x tensor 2,
+loaded at pipe 2 x data 2 and at pipe 4 (the plain model's nn.Linear
+blocks). Consolidated, a pipeline checkpoint is the plain model's
+state_dict; another model's checkpoint fails on every rank, naming the
+param."""
 
 import json
 import re
@@ -23,7 +28,12 @@ WORLD = 4
 BLOCKS = 6
 STEPS = 2
 TOL = dict(rtol=1e-5, atol=1e-6)
-SAVES = {"z1": {"zero": 1}, "z2": {"zero": 2}}
+SAVES = {
+    "z1": {"zero": 1},
+    "z2": {"zero": 2},
+    "tp1": {"zero": 1, "tp": True},  # the tensor-parallel variant at tensor 1 (data 2)
+    "tp2": {"zero": 1, "tp": True, "tensor": 2},  # data 1
+}
 LOADS = {  # what each checkpoint is loaded at
     "z1": {
         "pipe4": {"stages": 4, "zero": 1},
@@ -34,6 +44,14 @@ LOADS = {  # what each checkpoint is loaded at
         "more-blocks": {"stages": 4, "zero": 1, "blocks": BLOCKS + 1, "expect_error": True},
     },
     "z2": {"pipe4-z1": {"stages": 4, "zero": 1}, "pipe2-z1": {"stages": 2, "zero": 1}},
+    "tp1": {
+        "pipe2-tensor2": {"stages": 2, "zero": 1, "tp": True, "tensor": 2},
+        "plain-engine-tensor2-data2": {"stages": 1, "zero": 2, "tp": True, "tensor": 2, "engine": "plain"},
+    },
+    "tp2": {
+        "pipe2-data2": {"stages": 2, "zero": 1, "tp": True},
+        "pipe4-plain-model": {"stages": 4, "zero": 1},
+    },
 }
 
 
@@ -59,11 +77,31 @@ def results(tmp_path_factory):
     return out
 
 
+def whole(ranks: list[dict], key: str) -> list[dict]:
+    """Each rank's params (`key`: "saved" or "loaded") whole: a param split over the tensor axis is the
+    concatenation, in tensor-rank order, of the slices of the ranks at its pipe and data coordinates."""
+    out = []
+    for res in ranks:
+        at = (res["coord"]["pipe"], res["coord"]["data"])
+        peers = sorted(
+            (r for r in ranks if (r["coord"]["pipe"], r["coord"]["data"]) == at),
+            key=lambda r: r["coord"].get("model", 0),
+        )
+        assert [r["coord"].get("model", 0) for r in peers] == list(range(len(peers)))
+        out.append(
+            {
+                n: torch.cat([r[key][n] for r in peers], res["split"][n]) if n in res["split"] else v
+                for n, v in res[key].items()
+            }
+        )
+    return out
+
+
 def saved_model(results, save: str) -> tuple[dict, list[float]]:
-    """The params at the save (every stage's, by name) and the uninterrupted run's losses after it."""
+    """The params at the save (every stage's, by name, whole) and the uninterrupted run's losses after it."""
     model = {}
-    for res in results[(save, "save")]:
-        for name, value in res["saved"].items():
+    for saved in whole(results[(save, "save")], "saved"):
+        for name, value in saved.items():
             if name in model:  # a tied weight, or a data-parallel replica: the same everywhere
                 torch.testing.assert_close(value, model[name], rtol=0, atol=0)
             model[name] = value
@@ -78,24 +116,42 @@ def test_a_load_at_another_layout_continues_the_uninterrupted_run(results, save,
     model, after = saved_model(results, save)
     spec = LOADS[save][load]
     held = set()
-    for rank, res in enumerate(results[(save, load)]):
+    ranks = results[(save, load)]
+    for rank, (res, loaded) in enumerate(zip(ranks, whole(ranks, "loaded"))):
         assert res["global_steps"] == STEPS
-        assert res["data"] == WORLD // spec["stages"]
-        for name, value in res["loaded"].items():  # every element of every param this rank holds
+        assert res["data"] == WORLD // (spec["stages"] * spec.get("tensor", 1))
+        assert bool(res["split"]) == bool(spec.get("tp"))  # the parallel layers, at tensor 2 each rank a half
+        assert all(res["loaded"][n].numel() * spec.get("tensor", 1) == loaded[n].numel() for n in res["split"])
+        for name, value in loaded.items():  # every element of every param this rank holds (its tensor group's)
             torch.testing.assert_close(
                 value, model[name], rtol=0, atol=0, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
             )
-        held |= set(res["loaded"])
+        held |= set(loaded)
         torch.testing.assert_close(torch.tensor(res["after"]), torch.tensor(after), **TOL)
     assert held == set(model)
     # the run it continues must not be trivially equal to a restart: the losses move
     assert after[0] != after[1]
 
 
-def test_the_uninterrupted_runs_agree_across_ranks_and_zero_stages(results):
-    z1, z2 = results[("z1", "save")], results[("z2", "save")]
-    for res in z1 + z2:
-        torch.testing.assert_close(torch.tensor(res["after"]), torch.tensor(z1[0]["after"]), **TOL)
+def test_the_uninterrupted_runs_agree_across_ranks_zero_stages_and_tensor_sizes(results):
+    """The tensor-parallel variant draws its init as nn.Linear does: the same model at every tensor size."""
+    z1 = results[("z1", "save")]
+    for save in SAVES:
+        for res in results[(save, "save")]:
+            torch.testing.assert_close(torch.tensor(res["before"]), torch.tensor(z1[0]["before"]), **TOL)
+            torch.testing.assert_close(torch.tensor(res["after"]), torch.tensor(z1[0]["after"]), **TOL)
+
+
+def test_the_tensor_parallel_manifest_records_the_splits(results):
+    from fastzero.runtime.checkpoint_io import read_manifest, resolve
+
+    assert "tensor_parallel" not in read_manifest(resolve(results["dirs"]["tp1"], "ckpt"))
+    manifest = read_manifest(resolve(results["dirs"]["tp2"], "ckpt"))
+    tp = manifest["tensor_parallel"]
+    assert tp["size"] == 2
+    assert tp["splits"]["1.up.weight"] == [0, 1] and tp["splits"]["1.up.bias"] == [0, 1]
+    assert tp["splits"][f"{BLOCKS}.down.weight"] == [1, 1] and f"{BLOCKS}.down.bias" not in tp["splits"]
+    assert manifest["params"]["1.up.weight"] == [16, 8]  # the logical (unsplit) shape
 
 
 def test_another_models_checkpoint_fails_on_every_rank_naming_the_param(results):
