@@ -228,7 +228,8 @@ def _key(obj):
 
 
 class _SendChannel:
-    def __init__(self) -> None:
+    def __init__(self, tag: int) -> None:
+        self.tag = tag
         self.sig: bytes | None = None
         self.key = None  # _key of the last message sent, when it has one
         self.layout = _EMPTY
@@ -247,6 +248,7 @@ class _RecvChannel:
 
     def __init__(self, p2p: P2P, src: int, kind: str) -> None:
         self.p2p, self.src, self.kind = p2p, src, kind
+        self.tag = p2p._tag(kind)
         self.layout = _EMPTY
         self.stats = p2p.stats.setdefault(("recv", src, kind), ChannelBytes())
         self.open = 0  # receives posted and not complete
@@ -264,6 +266,9 @@ class _RecvChannel:
                 handle.posted = self._post(handle, self.layout)
                 self.inline = handle
                 return
+            handle.event = threading.Event()  # the thread completes it
+            if self.inline is not None and self.inline.event is None:  # and, unless its caller is, the inline one
+                self.inline.event = threading.Event()
         if self.thread is None:
             self.queue = queue.SimpleQueue()
             self.thread = threading.Thread(target=self._run, name=f"p2p-recv-{self.src}-{self.kind}", daemon=True)
@@ -279,7 +284,7 @@ class _RecvChannel:
             inline = self.inline
             if inline is not None:  # posted from the caller's thread: complete it first, unless its caller is
                 with self.completing:
-                    if not inline.event.is_set():
+                    if not inline.done:
                         self.complete(inline, None)
             with self.completing:
                 if self.error is None:
@@ -304,7 +309,9 @@ class _RecvChannel:
             self.open -= 1
             if self.inline is handle:
                 self.inline = None
-        handle.event.set()
+        handle.done = True
+        if handle.event is not None:
+            handle.event.set()
 
     def _post(self, handle: RecvHandle, layout: _Layout) -> tuple:
         p = self.p2p
@@ -314,7 +321,7 @@ class _RecvChannel:
         else:
             control = torch.empty(1, dtype=torch.int64, device=p.device)
             buffers = [control, *(torch.empty(s.shape, dtype=s.dtype, device=p.device) for s in layout.specs)]
-        return layout, buffers, [p._irecv(b, self.src, self.kind) for b in buffers if b.numel()]
+        return layout, buffers, [dist.irecv(b, self.src, group=p.group, tag=self.tag) for b in buffers if b.numel()]
 
     def _receive(self, handle: RecvHandle, deadline: float | None):
         p, stats = self.p2p, self.stats
@@ -328,7 +335,7 @@ class _RecvChannel:
                 break
             handle.what = f"a signature of {k} B from rank {self.src}"
             sig = torch.empty(k, dtype=torch.uint8, device=p.device)
-            p._wait(p._irecv(sig, self.src, self.kind), deadline, self.src, self.kind, handle.what)
+            p._wait(dist.irecv(sig, self.src, group=p.group, tag=self.tag), deadline, self.src, self.kind, handle.what)
             skeleton, specs = pickle.loads(sig.cpu().numpy().tobytes())
             with self.state:
                 self.layout = _Layout(skeleton, specs)
@@ -337,7 +344,8 @@ class _RecvChannel:
             handle.posted = self._post(handle, self.layout)
         if layout.packed:
             frame = buffers[0]
-            tensors = [frame.narrow(0, o, s.nbytes).view(s.dtype).view(s.shape) for o, s in layout.views]
+            tensors = [frame[o : o + s.nbytes].view(s.dtype) for o, s in layout.views]
+            tensors = [t if len(s.shape) == 1 else t.view(s.shape) for t, s in zip(tensors, layout.specs)]
         else:
             tensors = buffers[1:]
         for t, s in zip(tensors, layout.specs):
@@ -373,23 +381,24 @@ class RecvHandle:
 
     def __init__(self, channel: _RecvChannel) -> None:
         self.channel = channel
-        self.event = threading.Event()
+        self.done = False
+        self.event: threading.Event | None = None  # when the channel's thread may complete it
         self.what = f"the message before this one from rank {channel.src}"
         self.posted = None  # (layout, buffers, works) of the frame out for it
         self.value, self.error = None, None
 
     def is_completed(self) -> bool:
-        return self.event.is_set()
+        return self.done
 
     def wait(self):
         c = self.channel
         p = c.p2p
-        if not self.event.is_set():
+        if not self.done:
             p._check_usable()
             # posted from the caller's thread: complete it here, unless the thread already is
             if c.inline is self and c.completing.acquire(blocking=False):
                 try:
-                    if not self.event.is_set():
+                    if not self.done:
                         c.complete(self, time.monotonic() + p.timeout)
                 finally:
                     c.completing.release()
@@ -438,8 +447,7 @@ class P2P:
         channel = self._send.get((dst, kind)) if type(dst) is int and type(kind) is str else None
         if channel is None:  # a new channel: its ends checked once
             self._check_peer(dst, kind, "dst")
-            self._tag(kind)
-            channel = self._send[(dst, kind)] = _SendChannel()
+            channel = self._send[(dst, kind)] = _SendChannel(self._tag(kind))
             self.stats[("send", dst, kind)] = channel.stats
         tensors: list[Tensor] = []
         skeleton = _flatten(obj, tensors, "obj")
@@ -458,7 +466,7 @@ class P2P:
             if sig != channel.sig:
                 return self._change(channel, dst, kind, sig, _Layout(skeleton, specs), tensors, works, keep)
         frame = self._frame(channel.layout, tensors, 0)
-        works = works + [self._isend(b, dst, kind) for b in frame if b.numel()]
+        works = works + [self._isend(b, dst, channel.tag) for b in frame if b.numel()]
         self._count(channel.stats, channel.layout, data=True)
         return SendHandle(self, dst, kind, works, keep + frame)
 
@@ -468,7 +476,6 @@ class P2P:
         channel = self._recv.get((src, kind)) if type(src) is int and type(kind) is str else None
         if channel is None:
             self._check_peer(src, kind, "src")
-            self._tag(kind)
             channel = self._recv[(src, kind)] = _RecvChannel(self, src, kind)
         handle = RecvHandle(channel)
         channel.post(handle)
@@ -509,11 +516,11 @@ class P2P:
         next send (or close()), and the data goes from a copy."""
         stats = channel.stats
         announce = self._frame(channel.layout, None, len(sig))
-        works = works + [self._isend(b, dst, kind) for b in announce if b.numel()]
+        works = works + [self._isend(b, dst, channel.tag) for b in announce if b.numel()]
         self._count(stats, channel.layout, data=False)
         meta = torch.frombuffer(bytearray(sig), dtype=torch.uint8).to(self.device)
         frame = self._frame(layout, tensors, 0, copy=True)
-        later = [self._isend(meta, dst, kind), *(self._isend(b, dst, kind) for b in frame if b.numel())]
+        later = [self._isend(meta, dst, channel.tag), *(self._isend(b, dst, channel.tag) for b in frame if b.numel())]
         channel.followups = (later, [meta, *frame])
         stats.meta += len(sig)
         stats.signatures += 1
@@ -529,7 +536,9 @@ class P2P:
             for t, (o, s) in zip(tensors, layout.views):
                 if o > end:
                     parts.append(self._zeros[: o - end])
-                parts.append(t.detach().reshape(-1).view(torch.uint8).to(self.device))
+                t = t.detach() if t.requires_grad else t
+                t = t if t.dim() == 1 and t.is_contiguous() else t.reshape(-1)
+                parts.append((t if t.device == self.device else t.to(self.device)).view(torch.uint8))
                 end = o + s.nbytes
             parts.append(self._zeros[: layout.frame - end])  # the control word 0 included
             return [torch.cat(parts)]
@@ -549,11 +558,8 @@ class P2P:
             raise ValueError(f"p2p kinds {other!r} and {kind!r} map to the same tag {tag}: rename one")
         return tag
 
-    def _isend(self, t: Tensor, dst: int, kind: str):
-        return dist.isend(t, dst, group=self.group, tag=self._tag(kind))
-
-    def _irecv(self, t: Tensor, src: int, kind: str):
-        return dist.irecv(t, src, group=self.group, tag=self._tag(kind))
+    def _isend(self, t: Tensor, dst: int, tag: int):
+        return dist.isend(t, dst, group=self.group, tag=tag)
 
     @staticmethod
     def _count(stats: ChannelBytes, layout: _Layout, data: bool) -> None:
