@@ -70,3 +70,24 @@ def test_bad_input():
         assert out["kind_empty"].startswith("ValueError") and "non-empty" in out["kind_empty"]
         assert out["unpicklable"].startswith("TypeError") and "obj['f'][0]" in out["unpicklable"]
         assert out["timeout"].startswith("ValueError") and "positive" in out["timeout"]
+
+
+@pytest.mark.parametrize("run", range(2))
+def test_random_orders_both_directions(run):
+    """Sends, receives and waits in random orders (any that torch's own
+    isend/irecv completes), signatures changing at random."""
+    seed = random.randrange(1 << 20)
+    try:
+        outs = outputs(run_ranks(SCRIPT, 2, ["random", seed], timeout=240))
+    except AssertionError as exc:
+        raise AssertionError(f"seed {seed}: {exc}") from None
+    for out in outs:
+        assert out["checked"] == out["want"] > 2 * 40, out  # every message of both channels in, each tensor compared
+        assert out["signatures"] > 4, out
+
+
+def test_exit_with_a_receive_pending():
+    """A receive posted from the caller's thread and never matched: no
+    thread is left inside Gloo, both ranks exit 0 (run_ranks checks)."""
+    out0, _ = outputs(run_ranks(SCRIPT, 2, ["exit", 1], timeout=120))
+    assert out0["pending"] == 1
