@@ -23,10 +23,16 @@ one frame in the *old* layout whose control word is the length ``k`` of the
 new pickled signature (its payload bytes are not read), then the signature
 (``k`` bytes), then the data in the new layout. A channel starts with the
 empty signature (a packed frame of just the control word). So the receiver
-always knows the sizes of what it posts, posts a message's frame as soon as
-the one before it on the channel is in, and never takes a payload under a
-stale signature. Packed tensors arrive as views of one fresh buffer per
-message.
+always knows the sizes of what it posts once the message before is in, and
+never takes a payload under a stale signature. The send handle of a changed
+message waits for the announcing frame only (the receiver's posted receive
+takes it); the signature and the data (sent from a copy) go out behind it
+and are waited by the channel's next send, or :meth:`P2P.close`: they need
+the receiver to complete that receive, which its ``wait()`` or its channel's
+thread does. The sender compares a cheap key of the message (types, shapes,
+dtypes, simple values) with the last one and pickles only when it differs or
+the message holds other values. Packed tensors arrive as views of one fresh
+buffer per message.
 
 Cost per message in steady state: one message on the wire with 8 extra bytes
 (packed: plus one copy of the payload on each side, cheaper than a second
@@ -35,18 +41,22 @@ tensor (split). A signature change costs one frame of the old size, plus one
 message of the pickled signature. Non-tensor leaves belong to the signature:
 a value that changes every message re-sends the signature every message.
 
-Receive threads. Each receiving channel has a thread that posts the next
-frame as soon as the previous message is in and follows a signature change
-through (signature, new layout) without waiting for the caller's ``wait()``:
-so any order of sends, receives and waits that works with
-``torch.distributed.isend``/``irecv`` works here. The price is one thread
-hand-off per received message. Use one P2P per process group: two share tags.
+Receiving. A receive posted while every earlier one on its channel is
+complete is posted from the caller's thread (its layout is known) and its
+``wait()`` completes it there, following a signature change through: no
+thread, the cost of a plain irecv plus the frame's decoding. A receive posted
+behind an open one goes to the channel's thread (started then), which
+completes the open ones in order and posts each frame as soon as the one
+before it is in, following signature changes without the callers' waits; so
+any order of sends, receives and waits that works with
+``torch.distributed.isend``/``irecv`` works here, at the price of one thread
+hand-off per such receive. Use one P2P per process group: two share tags.
 
 Order on NCCL. NCCL ignores tags and matches sends and receives between two
 ranks in the order they are posted, so on NCCL the two ends must post the
 messages of different channels in the same order (a pipeline schedule does).
-The receive threads issue NCCL receives beside the caller's sends on the same
-communicator: untested here (no GPU).
+Receives posted behind open ones are issued by the channel's thread, beside
+the caller's operations on the same communicator: untested here (no GPU).
 
 Failure. ``wait()`` waits at most ``timeout`` seconds, then raises
 :class:`PipelineTimeout` naming the peer, the channel and what it waited for;
@@ -59,6 +69,7 @@ from __future__ import annotations
 import datetime
 import pickle
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -329,7 +340,11 @@ class _RecvChannel:
             layout, buffers, works = handle.posted
             for work in works:
                 p._wait(work, deadline, self.src, self.kind, handle.what)
-            k = int((buffers[0][-_CONTROL:].view(torch.int64) if layout.packed else buffers[0]).item())
+            head = buffers[0][-_CONTROL:] if layout.packed else buffers[0]
+            if head.is_cpu:  # the control word's bytes, without tensor ops
+                k = int.from_bytes(head.numpy().tobytes(), sys.byteorder, signed=True)
+            else:
+                k = int(head.view(torch.int64).item())
             p._count(stats, layout, data=k == 0)
             if k == 0:
                 break
@@ -488,6 +503,8 @@ class P2P:
         for channel in self._recv.values():
             channel.stop()
         self._recv = {}
+        if self._failed is not None:  # the channels are out of step: nothing more to wait for
+            return
         for (dst, kind), channel in self._send.items():
             works, keep = channel.followups
             SendHandle(self, dst, kind, works, keep).wait()
@@ -582,9 +599,9 @@ class P2P:
                     time.sleep(1e-4)
             elif deadline is None:
                 work.wait()
-            elif not work.is_completed():
-                left = deadline - time.monotonic()
-                if left <= 0 or not work.wait(datetime.timedelta(seconds=left)):
+            else:  # Gloo's p2p work reports completion only through wait(); past the deadline, a last look
+                left = max(deadline - time.monotonic(), 1e-3)
+                if not work.wait(datetime.timedelta(seconds=left)):
                     raise TimeoutError
         except Exception as exc:
             where = f"rank {self.rank} waiting for {what} on channel {kind!r}"
