@@ -62,6 +62,8 @@ Failure. ``wait()`` waits at most ``timeout`` seconds, then raises
 :class:`PipelineTimeout` naming the peer, the channel and what it waited for;
 a peer whose process died raises :class:`PipelinePeerError` as soon as the
 transport notices. After either, the :class:`P2P` object refuses further use.
+Gloo closes the pair on a timed-out send or receive, so the peer's pending
+operations with this rank then fail as a dead peer's would.
 """
 
 from __future__ import annotations
@@ -466,10 +468,7 @@ class P2P:
             self.stats[("send", dst, kind)] = channel.stats
         tensors: list[Tensor] = []
         skeleton = _flatten(obj, tensors, "obj")
-        key = _key(obj)
-        # the previous change's signature and data went out after its handle's frame: waited before this one's
-        works, keep = channel.followups
-        channel.followups = ([], [])
+        key, sig = _key(obj), None
         if key is None or key != channel.key:
             specs = [_Spec(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors]
             try:
@@ -477,6 +476,10 @@ class P2P:
             except Exception:
                 _check_picklable(obj, "obj")
                 raise
+        # the previous change's signature and data went out behind its handle's frame: waited before this one's
+        works, keep = channel.followups
+        channel.followups = ([], [])
+        if sig is not None:
             channel.key = key
             if sig != channel.sig:
                 return self._change(channel, dst, kind, sig, _Layout(skeleton, specs), tensors, works, keep)
