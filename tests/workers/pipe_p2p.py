@@ -9,11 +9,20 @@ Arguments: a scenario and a seed. Prints one JSON line of what it saw.
   seed; the byte counters show the signature sent exactly when it changed.
   Then a ping-pong phase: one message at a time each way; then a stream
   whose sends are all waited before any of its receives.
-* ``timeout``: rank 0 waits for a message rank 1 never sends, and sends one
-  rank 1 never receives; both must raise PipelineTimeout after ~2 s.
+* ``timeout``: rank 0 waits for a message rank 1 never sends, and rank 1
+  sends one rank 0 never receives; after ~2 s each raises PipelineTimeout,
+  or PipelinePeerError when Gloo closed the pair on the other's timeout first.
 * ``die`` / ``raise``: rank 1 sends one message, then exits (os._exit) or
   raises; rank 0's next receive must fail with a PipelinePeerError.
 * ``bad``: bad arguments raise clear errors.
+* ``random`` (2 ranks): both directions at once on two channels, each
+  rank posting sends and receives in random order and waiting random
+  subsets of them (only what torch's own isend/irecv could complete at that
+  point), messages changing signature at random (packed and split);
+  every received element checked.
+* ``exit``: rank 0 posts a receive rank 1 never sends (the second
+  argument: how many, 1 from the caller's thread, more through the
+  channel's thread) and both exit normally.
 """
 
 import json
@@ -183,8 +192,8 @@ def timeout() -> dict:
         else:
             p2p.isend(torch.ones(PACK_LIMIT), 0, "never").wait()  # rank 0 never receives it
         out["error"] = None
-    except PipelineTimeout as exc:
-        out["error"] = str(exc)
+    except PipelinePeerError as exc:  # a timeout, or the pair Gloo closed on the peer's timeout
+        out["error"], out["timed_out"] = str(exc), isinstance(exc, PipelineTimeout)
     out["elapsed"] = time.monotonic() - t
     try:
         p2p.irecv(1 - rank, "grad")
@@ -242,6 +251,95 @@ def bad() -> dict:
     return out
 
 
+def random_message(seed: int, src: int, kind: str, i: int):
+    """Runs of one signature, changed at random, packed or split, at times a tuple."""
+    g = torch.Generator().manual_seed(seed * 7919 + src * 131 + (kind == "grad") * 17 + i)
+    run = torch.Generator().manual_seed(seed * 7919 + src * 131 + (kind == "grad") * 17 + i // 3 * 1000003)
+    shape = (int(torch.randint(1, 5, (), generator=run)), int(torch.randint(1, 9, (), generator=run)))
+    if torch.rand((), generator=run) < 0.25:  # split layout
+        shape = (shape[0], PACK_LIMIT // 4)
+    dtype = DTYPES[int(torch.randint(0, len(DTYPES), (), generator=run))]
+    x = tensor(g, shape, dtype, requires_grad=dtype.is_floating_point and kind == "act")
+    if torch.rand((), generator=run) < 0.3:
+        return (x, {"i": int(torch.randint(0, 3, (), generator=run))}, tensor(g, (3,), torch.int64))
+    return x
+
+
+def random_plan(seed: int, rank: int, n: int) -> list[list]:
+    """Per phase: the ops this rank posts (shuffled), then the ones it waits."""
+    rng = __import__("random").Random(seed * 31 + rank)
+    posted = {("send", "act"): 0, ("send", "grad"): 0, ("recv", "act"): 0, ("recv", "grad"): 0}
+    phases = []
+    while min(posted.values()) < n:
+        ops = []
+        for op in posted:
+            k = min(rng.randint(0, 3), n - posted[op])
+            ops += [(*op, posted[op] + j) for j in range(k)]
+            posted[op] += k
+        mixed, queues = [], {}  # a channel's ops in order, channels interleaved at random
+        for o in ops:
+            queues.setdefault(o[:2], []).append(o)
+        while queues:
+            key = rng.choice(sorted(queues))
+            mixed.append(queues[key].pop(0))
+            if not queues[key]:
+                del queues[key]
+        phases.append([mixed, dict(posted), rng.random()])
+    return phases
+
+
+def randomized(seed: int) -> dict:
+    rank = torch.distributed.get_rank()
+    peer = 1 - rank
+    p2p = P2P(timeout=60)
+    n = 40
+    mine, theirs = random_plan(seed, rank, n), random_plan(seed, peer, n)
+    # the kinds: "act" goes rank 0 -> 1 and "grad" 1 -> 0 in the peer's naming; here both directions of each kind
+    sends, recvs, checked = {}, {}, 0
+    rng = __import__("random").Random(seed * 17 + rank)
+    for p, (ops, _, frac) in enumerate(mine):
+        for direction, kind, i in ops:
+            if direction == "send":
+                sends[(kind, i)] = p2p.isend(random_message(seed, rank, kind, i), peer, kind)
+            else:
+                recvs[(kind, i)] = p2p.irecv(peer, kind)
+        # what torch's isend/irecv could complete now: the peer posted its counterpart by its phase p
+        peer_posted = theirs[min(p, len(theirs) - 1)][1]
+        ready = [("send", k) for k in sends if k[1] < peer_posted[("recv", k[0])]]
+        ready += [("recv", k) for k in recvs if k[1] < peer_posted[("send", k[0])]]
+        rng.shuffle(ready)
+        for direction, k in ready[: int(len(ready) * frac)]:
+            if direction == "send":
+                sends.pop(k).wait()
+            else:
+                checked += same(recvs.pop(k).wait(), random_message(seed, peer, k[0], k[1]), f"{k}")
+    for k in sorted(recvs):
+        checked += same(recvs.pop(k).wait(), random_message(seed, peer, k[0], k[1]), f"{k}")
+    for h in sends.values():
+        h.wait()
+    p2p.close()
+    want = sum(
+        len([t for t in (m if isinstance(m, tuple) else (m,)) if isinstance(t, torch.Tensor)])
+        for m in (random_message(seed, peer, kind, i) for kind in ("act", "grad") for i in range(n))
+    )
+    return dict(checked=checked, want=want, phases=len(mine), signatures=p2p.totals("recv").signatures)
+
+
+def unmatched(count: int) -> dict:
+    rank = torch.distributed.get_rank()
+    p2p = P2P(timeout=5)
+    # one exchange first, so the channel has a signature
+    h = p2p.irecv(1 - rank, "act")
+    p2p.isend(torch.arange(3.0), 1 - rank, "act").wait()
+    assert torch.equal(h.wait(), torch.arange(3.0))
+    if rank == 0:
+        pending = [p2p.irecv(1, "act") for _ in range(count)]
+        time.sleep(0.5)  # the thread, if any, inside Gloo's wait
+        return dict(pending=sum(not h.is_completed() for h in pending))
+    time.sleep(0.5)
+    return {}
+
+
 if __name__ == "__main__":
     scenario, seed = sys.argv[1], int(sys.argv[2])
     try:
@@ -256,6 +354,10 @@ if __name__ == "__main__":
         out = timeout()
     elif scenario in ("die", "raise"):
         out = dies(scenario)
+    elif scenario == "random":
+        out = randomized(seed)
+    elif scenario == "exit":
+        out = unmatched(seed)
     else:
         out = bad()
     out["before_init"] = before_init
