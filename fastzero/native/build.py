@@ -144,7 +144,7 @@ def build_into_cache(name: str, filename: str, make: Callable[[Path], Path]) -> 
 # The CPU kernels: one pybind11 extension, fastzero._cpu_ops
 
 CPU_MODULE = "_cpu_ops"
-CPU_SOURCES = ("adam.cpp", "lamb.cpp", "onebit.cpp", "stream.cpp", "cpu_features.cpp", "bindings.cpp")
+CPU_SOURCES = ("adam.cpp", "lamb.cpp", "onebit.cpp", "quant.cpp", "stream.cpp", "cpu_features.cpp", "bindings.cpp")
 CPU_HEADER_SUFFIXES = (".h", ".inc")
 # No -march=native: the kernels pick their instruction set at run time.
 CXXFLAGS = (
