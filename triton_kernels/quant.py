@@ -124,7 +124,9 @@ def _tile(block: int) -> int:
 
 
 @torch.no_grad()
-def quant_quantize(x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int) -> None:
+def quant_quantize(
+    x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int
+) -> None:
     """codes and scales of flat x (checked by fastzero.ops.quant.quantize_blockwise)."""
     n = x.numel()
     if n == 0:

@@ -13,7 +13,9 @@ def _bits(codes: Tensor) -> int:
     return 8 if codes.dtype == torch.int8 else 4
 
 
-def quant_quantize(x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int) -> None:
+def quant_quantize(
+    x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int
+) -> None:
     cpu_ops().quant_quantize(
         ISA_NAMES.index(cpu_isa()),
         x.data_ptr(),

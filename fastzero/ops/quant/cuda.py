@@ -36,7 +36,9 @@ def _lib(op: str) -> ctypes.CDLL:
     return lib
 
 
-def quant_quantize(x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int) -> None:
+def quant_quantize(
+    x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int
+) -> None:
     """:func:`fastzero.ops.quant.reference.quantize` of CUDA tensors, into codes and scales;
     enqueued on the current stream."""
     op = "quant_quantize"

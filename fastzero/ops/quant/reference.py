@@ -74,7 +74,9 @@ def scales_of(x: Tensor, block: int, bits: int) -> Tensor:
     return torch.where(finite, absmax / qmax(bits), torch.nan)
 
 
-def quantize(x: Tensor, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0) -> tuple[Tensor, Tensor]:
+def quantize(
+    x: Tensor, bits: int = 8, block: int = 256, stochastic: bool = False, seed: int = 0
+) -> tuple[Tensor, Tensor]:
     """(codes, scales) of x as the module docstring says."""
     flat = x.reshape(-1).float()
     n = flat.numel()
@@ -131,7 +133,9 @@ def dequantize_sum(chunks: list[Tensor], scales: list[Tensor], n: int, block: in
 # The backend interface (fastzero.ops.quant.backends), over checked buffers.
 
 
-def quant_quantize(x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int) -> None:
+def quant_quantize(
+    x: Tensor, codes: Tensor, scales: Tensor, bits: int, block: int, stochastic: bool, seed: int
+) -> None:
     c, s = quantize(x, bits, block, stochastic, seed)
     codes.copy_(c)
     scales.copy_(s)
