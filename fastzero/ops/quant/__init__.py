@@ -72,9 +72,7 @@ def quantize_blockwise(
         seed = int(torch.randint(0, 1 << 32, (1,), dtype=torch.int64).item()) if stochastic else 0
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 32:
         raise ValueError(f"{op}: seed must be an int in [0, 2**32), got {seed!r}")
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():  # reshape copies a non-contiguous x: flat is always contiguous
-        flat = flat.contiguous()
+    flat = x.reshape(-1)  # a copy where x is not contiguous: the kernels read it flat
     n = flat.numel()
     blocks = -(-n // block)
     want_codes = (code_numel(n, bits), torch.int8 if bits == 8 else torch.uint8)
