@@ -156,6 +156,8 @@ def dequantize_blockwise(
     if codes.device != scales.device:
         raise ValueError(f"{op}: codes are on {codes.device} but scales on {scales.device}; put both on one")
     if out is not None:
+        if isinstance(out, Tensor) and dtype not in (torch.float32, out.dtype):
+            raise ValueError(f"{op}: dtype={dtype} but out is {out.dtype}; out's dtype is used: drop dtype=")
         if numel is not None and numel != out.numel():
             raise ValueError(f"{op}: numel={numel} but out has {out.numel()} elements")
         numel = out.numel()

@@ -242,6 +242,13 @@ def test_default_backend_on_cpu_is_the_native_one(isa):
             "out must be",
         ),
         (
+            lambda x: quant.dequantize_blockwise(
+                torch.zeros(10, dtype=torch.int8), torch.ones(1), torch.empty(10), dtype=torch.float16
+            ),
+            ValueError,
+            "drop dtype=",
+        ),
+        (
             lambda x: quant.dequantize_sum(
                 [torch.zeros(10, dtype=torch.int8)] * 2, [torch.ones(1)] * 3, torch.empty(10)
             ),
