@@ -72,11 +72,13 @@ print('CUDA kernels ready')
 "
   step tests_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/
   step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_triton_kernels.py \
-    tests/ops/sparse_attention/test_attention.py tests/ops/onebit/test_triton.py
+    tests/ops/sparse_attention/test_attention.py tests/ops/onebit/test_triton.py tests/ops/quant/test_triton.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
   step bench_onebit "$PY" -m bench.run --kernel onebit --device cuda --quick \
     --json "$OUT/onebit.json" --report "$OUT/onebit.md"
+  step bench_quant "$PY" -m bench.run --kernel quant --device cuda --quick \
+    --json "$OUT/quant.json" --report "$OUT/quant.md"
   step bench_sparse_attention "$PY" -m bench.run --kernel sparse_attention --device cuda --quick \
     --json "$OUT/sparse_attention.json" --report "$OUT/sparse_attention.md"
   # not here: --kernel tp (tensor parallelism at TP=2 needs 2 ranks; NCCL cannot put 2 ranks on one GPU), and the

@@ -20,6 +20,7 @@ KERNELS = {
     "offload": ".zero:OFFLOAD",
     "onebit": ".onebit:ONEBIT",
     "onebit_allreduce": ".onebit_allreduce:FAMILY",
+    "quant": ".quant:QUANT",
     "tp": ".tp:FAMILY",
     "pipeline": ".pipeline:FAMILY",
 }

@@ -18,6 +18,7 @@
 #include "adam.h"
 #include "lamb.h"
 #include "onebit.h"
+#include "quant.h"
 #include "stream.h"
 
 namespace py = pybind11;
@@ -169,6 +170,34 @@ void stream_fill(int isa, const std::vector<uintptr_t>& a, const std::vector<int
   fz::stream_fill(checked, a, numel, float(s), nt, num_threads);
 }
 
+void check_quant_format(const char* op, int64_t n, int64_t block, int bits, int dtype) {
+  if (n < 0 || block < 1) throw std::invalid_argument(std::string(op) + ": need n >= 0 and block >= 1");
+  if (bits != 8 && !(bits == 4 && block % 2 == 0))
+    throw std::invalid_argument(std::string(op) + ": bits must be 8, or 4 with an even block");
+  if (dtype < fz::kF32 || dtype > fz::kBF16)
+    throw std::invalid_argument(std::string(op) + ": bad dtype code " + std::to_string(dtype));
+}
+
+void quant_quantize(int isa, uintptr_t x, int x_dtype, uintptr_t codes, uintptr_t scales, int64_t n, int64_t block,
+                    int bits, bool stochastic, uint32_t seed, int num_threads) {
+  check_quant_format("quant_quantize", n, block, bits, x_dtype);
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::quant_quantize(checked, reinterpret_cast<const void*>(x), x_dtype, reinterpret_cast<void*>(codes),
+                     reinterpret_cast<float*>(scales), n, block, bits, stochastic, seed, num_threads);
+}
+
+void quant_dequantize_sum(int isa, uintptr_t codes, int bits, int64_t code_stride, uintptr_t scales, int64_t ranks,
+                          uintptr_t out, int out_dtype, int64_t n, int64_t block, int num_threads) {
+  check_quant_format("quant_dequantize_sum", n, block, bits, out_dtype);
+  if (ranks < 1 || code_stride < 0) throw std::invalid_argument("quant_dequantize_sum: need ranks >= 1, code_stride >= 0");
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::quant_dequantize_sum(checked, reinterpret_cast<const void*>(codes), bits, code_stride,
+                           reinterpret_cast<const float*>(scales), ranks, reinterpret_cast<void*>(out), out_dtype, n,
+                           block, num_threads);
+}
+
 }  // namespace
 
 // Read with ctypes before the module is imported: a stale extension is never
@@ -191,6 +220,10 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.def("onebit_pack", &onebit_pack,
         "1-bit pack: y = x + error; per-chunk scale, sign bits, new error (see csrc/cpu/onebit.h).");
   m.def("onebit_unpack", &onebit_unpack, "1-bit unpack: signs times scales, per row or averaged over rows.");
+  m.def("quant_quantize", &quant_quantize,
+        "Block-wise quantize: per-block absmax scale, int8 or packed int4 codes (see csrc/cpu/quant.h).");
+  m.def("quant_dequantize_sum", &quant_dequantize_sum,
+        "Block-wise dequantize, summed over ranks in fp32 (ranks = 1: plain dequantize).");
   m.def("stream_fill", &stream_fill,
         "Write-bandwidth probe: a[:] = s over lists of fp32 tensors (cache-bypassing stores if nt).");
   m.def("stream_update", &stream_update,

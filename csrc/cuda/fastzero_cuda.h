@@ -115,6 +115,23 @@ FZ_API int fz_cuda_onebit_pack(const void* x, int x_dtype, float* error, uint8_t
 FZ_API int fz_cuda_onebit_unpack(const uint8_t* bits, const float* scales, float* out, int64_t rows,
                                  int64_t row_bytes, int average, void* stream);
 
+/* Block-wise symmetric quantization, fastzero/ops/quant/reference.py. x: n
+ * values (x_dtype fp32/fp16/bf16) in blocks of `block` (the last may be
+ * partial); scales[b] = absmax / qmax (qmax 127 for bits 8, 7 for bits 4),
+ * NaN for a block holding NaN or inf; codes rne(clamp(x / s, -qmax, qmax)),
+ * or with `stochastic` floor(clamp(x / s + u(seed, i), -qmax, qmax)); 0 where
+ * the scale is 0 or NaN. codes: int8 [n] (bits 8) or uint8 [ceil(n / 2)],
+ * two's-complement nibbles, the even element low (bits 4, block even). */
+FZ_API int fz_cuda_quant_quantize(const void* x, int x_dtype, void* codes, float* scales, int64_t n,
+                                  int64_t block, int bits, int stochastic, uint32_t seed, void* stream);
+
+/* out[i] (out_dtype) = the fp32 sum over r < ranks, in rank order, of
+ * q_r[i] * scales[r * ceil(n / block) + i / block]; rank r's codes start
+ * code_stride bytes after rank r - 1's. ranks == 1: dequantization. */
+FZ_API int fz_cuda_quant_dequantize_sum(const void* codes, int bits, int64_t code_stride, const float* scales,
+                                        int64_t ranks, void* out, int out_dtype, int64_t n, int64_t block,
+                                        void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -144,7 +144,7 @@ def build_into_cache(name: str, filename: str, make: Callable[[Path], Path]) -> 
 # The CPU kernels: one pybind11 extension, fastzero._cpu_ops
 
 CPU_MODULE = "_cpu_ops"
-CPU_SOURCES = ("adam.cpp", "lamb.cpp", "onebit.cpp", "stream.cpp", "cpu_features.cpp", "bindings.cpp")
+CPU_SOURCES = ("adam.cpp", "lamb.cpp", "onebit.cpp", "quant.cpp", "stream.cpp", "cpu_features.cpp", "bindings.cpp")
 CPU_HEADER_SUFFIXES = (".h", ".inc")
 # No -march=native: the kernels pick their instruction set at run time.
 CXXFLAGS = (
@@ -250,7 +250,14 @@ def build_cpu() -> Path:
 # The CUDA kernels: one shared library with a C ABI, libfastzero_cuda.so
 
 CUDA_LIBRARY = "libfastzero_cuda.so"
-CUDA_SOURCES = ("common.cu", "multi_tensor_adam.cu", "multi_tensor_l2norm.cu", "multi_tensor_lamb.cu", "onebit.cu")
+CUDA_SOURCES = (
+    "common.cu",
+    "multi_tensor_adam.cu",
+    "multi_tensor_l2norm.cu",
+    "multi_tensor_lamb.cu",
+    "onebit.cu",
+    "quant.cu",
+)
 CUDA_HEADER_SUFFIXES = (".cuh", ".h")
 # A100 and H100/H200: SASS for each (Ampere's also runs on sm_86/sm_89).
 CUDA_ARCHS = ("80", "90")
