@@ -39,7 +39,7 @@ extern "C" {
  * Python refuses a mismatch. 2: the 1-bit pack and unpack. 3: the optimizer
  * hyperparameters as one struct (fz_adam_hyper, fz_lamb_hyper);
  * fz_cuda_clip_factor became fz_cuda_lamb_clip_factor. */
-#define FZ_CUDA_ABI_VERSION 3
+#define FZ_CUDA_ABI_VERSION 4
 
 enum {
   FZ_OK = 0,

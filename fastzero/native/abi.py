@@ -27,12 +27,12 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 
 # FZ_CPU_ABI_VERSION (csrc/cpu/common.h): a prebuilt extension of another
 # version (a stale build) is passed over for a just-in-time build.
-CPU_ABI_VERSION = 2
+CPU_ABI_VERSION = 3
 
 # FZ_CUDA_ABI_VERSION: a library speaking another version is refused.
-CUDA_ABI_VERSION = 3
+CUDA_ABI_VERSION = 4
 
-_VP, _I, _I64, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
+_VP, _I, _I64, _D, _U32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_uint32
 _PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
 
 # Every exported function of libfastzero_cuda.so: (restype, argtypes).
@@ -54,4 +54,8 @@ CUDA_SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "fz_cuda_onebit_pack": (_I, [_VP, _I, _VP, _VP, _VP, _I64, _I64, _VP, _I64, _VP]),
     # bits, scales, out, rows, row_bytes, average, stream
     "fz_cuda_onebit_unpack": (_I, [_VP, _VP, _VP, _I64, _I64, _I, _VP]),
+    # x, x_dtype, codes, scales, n, block, bits, stochastic, seed, stream
+    "fz_cuda_quant_quantize": (_I, [_VP, _I, _VP, _VP, _I64, _I64, _I, _I, _U32, _VP]),
+    # codes, bits, code_stride, scales, ranks, out, out_dtype, n, block, stream
+    "fz_cuda_quant_dequantize_sum": (_I, [_VP, _I, _I64, _VP, _I64, _VP, _I, _I64, _I64, _VP]),
 }

@@ -87,7 +87,7 @@ def _ctype(c_type: str, result: bool = False):
     """The ctypes type abi.CUDA_SIGNATURES uses for a C parameter or result type."""
     t = re.sub(r"\s+", " ", c_type.replace("*", " * ")).strip()
     t = t.replace(" *", "*")
-    scalars = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "double": ctypes.c_double}
+    scalars = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32, "double": ctypes.c_double}
     if t in scalars:
         return scalars[t]
     if result and t == "const char*":

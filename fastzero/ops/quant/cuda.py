@@ -3,8 +3,6 @@ buffers that fastzero.ops.quant checked (1-D, contiguous, one device)."""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
 
@@ -12,28 +10,6 @@ from fastzero.native import DTYPE_CODES, check_rc, cuda_lib
 from fastzero.ops.marshal import check_flat, stream
 
 _CPU_HINT = "; for CPU tensors use fastzero.ops.quant's functions, which take their CPU path for them"
-_VP, _I, _I64, _U32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32
-# The C ABI of quant.cu (csrc/cuda/fastzero_cuda.h), declared here on first use.
-_SIGNATURES = {
-    # x, x_dtype, codes, scales, n, block, bits, stochastic, seed, stream
-    "fz_cuda_quant_quantize": [_VP, _I, _VP, _VP, _I64, _I64, _I, _I, _U32, _VP],
-    # codes, bits, code_stride, scales, ranks, out, out_dtype, n, block, stream
-    "fz_cuda_quant_dequantize_sum": [_VP, _I, _I64, _VP, _I64, _VP, _I, _I64, _I64, _VP],
-}
-
-
-def _lib(op: str) -> ctypes.CDLL:
-    lib = cuda_lib(op)
-    for name, argtypes in _SIGNATURES.items():
-        try:
-            fn = getattr(lib, name)
-        except AttributeError as exc:
-            raise RuntimeError(
-                f"{op}: the loaded CUDA library has no {name}; it predates the quantization kernels: "
-                "rebuild it (python setup.py build_ext --inplace, or clear the fastzero build cache)"
-            ) from exc
-        fn.restype, fn.argtypes = _I, argtypes
-    return lib
 
 
 def quant_quantize(
@@ -44,7 +20,7 @@ def quant_quantize(
     op = "quant_quantize"
     dtypes = {"x": tuple(DTYPE_CODES), "codes": (torch.int8, torch.uint8), "scales": (torch.float32,)}
     device = check_flat(op, {"x": x, "codes": codes, "scales": scales}, dtypes, _CPU_HINT)
-    lib = _lib(op)
+    lib = cuda_lib(op)
     with torch.cuda.device(device):
         rc = lib.fz_cuda_quant_quantize(
             x.data_ptr(),
@@ -68,7 +44,7 @@ def quant_dequantize_sum(codes: Tensor, scales: Tensor, out: Tensor, block: int)
     codes2, scales2 = codes.reshape(codes.shape[0] if codes.dim() == 2 else 1, -1), scales.reshape(-1)
     dtypes = {"codes": (torch.int8, torch.uint8), "scales": (torch.float32,), "out": tuple(DTYPE_CODES)}
     device = check_flat(op, {"codes": codes2.view(-1), "scales": scales2, "out": out}, dtypes, _CPU_HINT)
-    lib = _lib(op)
+    lib = cuda_lib(op)
     with torch.cuda.device(device):
         rc = lib.fz_cuda_quant_dequantize_sum(
             codes2.data_ptr(),

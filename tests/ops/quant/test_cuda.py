@@ -14,7 +14,7 @@ import ctypes
 import pytest
 import torch
 
-from fastzero.native import build
+from fastzero.native import abi, build
 from fastzero.ops import quant
 from fastzero.ops.quant import cuda as fz_cuda
 from fastzero.ops.quant import reference as ref
@@ -27,16 +27,15 @@ FAKE = 1 << 20  # a device address never dereferenced: the calls below fail thei
 @pytest.fixture(scope="module")
 def quant_lib(tmp_path_factory):
     """common.cu and quant.cu for sm_90, linked and loaded (cudart is static:
-    this works without a driver), with the signatures fastzero.ops.quant.cuda declares."""
+    this works without a driver), with the signatures of fastzero.native.abi."""
     nvcc = _nvcc_or_skip()
     out = tmp_path_factory.mktemp("quant-lib")
     src = build.cuda_source_dir()
     objects = [build.compile_source(src / n, out / f"{n}.o", ("90",), nvcc=nvcc) for n in ("common.cu", "quant.cu")]
     lib = ctypes.CDLL(str(build.link(objects, out / build.CUDA_LIBRARY, nvcc)))
-    lib.fz_cuda_last_error.restype = ctypes.c_char_p
-    for name, argtypes in fz_cuda._SIGNATURES.items():
+    for name in ("fz_cuda_last_error", "fz_cuda_quant_quantize", "fz_cuda_quant_dequantize_sum"):
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        fn.restype, fn.argtypes = abi.CUDA_SIGNATURES[name]
     return lib
 
 
