@@ -136,7 +136,7 @@ def train(run: dict) -> None:
 
 
 class OutsideUse(torch.nn.Module):
-    """The root's forward reads `head.weight` without calling `head`."""
+    """The root's forward reads `head`'s params without calling `head`."""
 
     def __init__(self):
         super().__init__()
@@ -144,7 +144,7 @@ class OutsideUse(torch.nn.Module):
         self.body, self.head = torch.nn.Linear(33, 65), torch.nn.Linear(65, 17)
 
     def forward(self, x):
-        return torch.nn.functional.gelu(self.body(x)) @ self.head.weight.t()
+        return torch.nn.functional.gelu(self.body(x)) @ self.head.weight.t() + self.head.bias
 
 
 def postgather(run: dict) -> None:
@@ -154,26 +154,31 @@ def postgather(run: dict) -> None:
     plain single-process AdamW's after as many steps; gathered() and
     state_dict() right after step() see the updated params. Stage 3: what
     step() gathers is one all_gather. `outside`: the OutsideUse model
-    (`register`: with head.weight registered for the root)."""
+    (`register`: with head's params registered for the root)."""
     model = OutsideUse() if run.get("outside") else make_model()
     ref = OutsideUse() if run.get("outside") else make_model()
     opt = torch.optim.AdamW(ref.parameters(), lr=run.get("lr", 1e-2), weight_decay=0.1)
     engine, *_ = fastzero.initialize(model=model, config=config(run))
     if run.get("register"):
-        engine.register_external_parameter(engine.module, model.head.weight)
+        for p in model.head.parameters():
+            engine.register_external_parameter(engine.module, p)
     rank, world, gas = engine.comm.rank, engine.comm.world_size, engine.gradient_accumulation_steps()
     want = dict(ref.named_parameters())
     names = {m: n for n, m in model.named_modules()}
     checked, worst = [], 0.0
 
+    # what each module's forward reads (OutsideUse's root: head's params)
+    reads = {m: [(f"{names[m]}.{n}".lstrip("."), p) for n, p in m.named_parameters(recurse=False)] for m in names}
+    if run.get("outside"):
+        reads[model] = [(f"head.{n}", p) for n, p in model.head.named_parameters()]
+
     def check(m, _args):  # registered after the engine's pre-hook: runs after its wait
         nonlocal worst
-        for n, p in m.named_parameters(recurse=False):
-            full = f"{names[m]}.{n}" if names[m] else n
+        for full, p in reads[m]:
             worst = max(worst, (p.detach().float() - want[full].detach()).abs().max().item())
             checked.append(full)
 
-    hooks = [m.register_forward_pre_hook(check) for m in model.modules() if list(m.parameters(recurse=False))]
+    hooks = [m.register_forward_pre_hook(check) for m in model.modules() if reads[m]]
     in_flight, sites, persistent, after_step = [], [], [], {}
     for step in range(run.get("steps", 6)):
         x, y = global_batch(step, MICRO * gas * world)
