@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.comm import Comm, FlatLayout, GradReducer, Handle, compressed_reduce_scatter, gather_params
+from fastzero.comm import Comm, FlatLayout, GradReducer, Handle, compressed_reduce_scatter
 from fastzero.runtime.groups import CompressingGroup, Piece
 
 
@@ -233,10 +233,16 @@ class FlatGroup(CompressingGroup):
         if self.stage == 0:
             return []
         self.wait_gather(site="gather")  # never two all-gathers writing one bucket
-        handles = gather_params(self.comm, self.layout, self.flat)
-        self._gathering = dict(enumerate(handles))
+        # last bucket first: the layout is in backward's order, so it holds the params the forward reads first,
+        # and the collectives run in launch order
+        self._gathering = {}
+        for b in reversed(self.layout.buckets):
+            lo, hi = b.owned(self.rank)
+            self._gathering[b.index] = self.comm.all_gather(
+                self.flat[b.start : b.start + b.size], self.flat[lo:hi], "param"
+            )
         self._suspect = set()
-        return handles
+        return list(self._gathering.values())
 
     def gathering(self) -> bool:
         """A post-step all-gather is still in flight (not waited for)."""
