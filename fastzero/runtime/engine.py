@@ -470,13 +470,14 @@ class Engine(torch.nn.Module):
                     g.compressed_reduce(divisor / coef)
             self.optimizer.step(grad_scale=divisor / coef)
             # stage 3: the persistent params, one all-gather per dtype over all of them; stages 1-2: per bucket
-            handles = refresh_persistent(self.groups) if self.stage == 3 else [g.gather() for g in self.groups]
+            handles = refresh_persistent(self.groups) if self.stage == 3 else []
+            for g in self.groups if self.stage < 3 else ():
+                g.gather()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            if self.stage == 3:
-                for h in handles:
-                    h.wait("step")
-            elif not self._overlap_gather:  # else each module's forward waits for its buckets
+            for h in handles:
+                h.wait("step")
+            if not self._overlap_gather:  # else each module's forward waits for its buckets
                 self.wait_params("step")
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
