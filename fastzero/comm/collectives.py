@@ -31,7 +31,7 @@ class CommEvent:
     done: float | None = None  # when the collective completed (seen by a callback or the wait)
     world_size: int = 1
     waited: float = 0.0  # seconds callers spent blocked in Handle.wait on it
-    wait_site: str = ""  # who waited first, when the caller names it ("forward:<module>", "step", ...)
+    wait_site: str = ""  # who waited first ("forward:<module>", "step", ...; "wait" unnamed; "" nobody yet)
 
     @property
     def wire_bytes(self) -> float:
@@ -71,9 +71,9 @@ class Handle:
 
     def wait(self, site: str = "") -> None:
         """Blocks until done; the time blocked is added to the event's
-        ``waited`` and `site` (the first one named) kept as its ``wait_site``."""
-        if site and not self.event.wait_site:
-            self.event.wait_site = site
+        ``waited``, and the first waiter's `site` ("wait" when unnamed) is its ``wait_site``."""
+        if not self.event.wait_site:
+            self.event.wait_site = site or "wait"
         if self.work is not None:
             start = time.perf_counter()
             self.work.wait()

@@ -117,8 +117,8 @@ class FlatGroup(CompressingGroup):
         reduce-scatters the local sum again; stage 0, whose all-reduce works
         in place, sets the sum it already has aside and adds it back after."""
         self.attach_grads()
-        if self._gathering:  # buckets no forward pre-hook waited for: their params' forwards did not run yet
-            late = set(self._gathering)
+        if self._gathering:  # buckets nobody waited for: their params' forwards did not run yet
+            late = {b for b, h in self._gathering.items() if not h.event.wait_site}
             self.wait_gather(site="backward")
             self._suspect = {
                 i for i, touched in enumerate(self.layout.param_buckets) if any(b in late for b, _ in touched)
