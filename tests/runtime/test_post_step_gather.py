@@ -122,6 +122,8 @@ def test_the_pipeline_engine_overlaps_the_gather_and_trains_as_one_process(tmp_p
         for rank, res in enumerate(ranks):
             assert res["in_flight"] == [True] * run["steps"], (key, rank)
             assert res["wait_sites"] and all(s.startswith("forward:") for s in res["wait_sites"]), res["wait_sites"]
+            if run.get("dtype") != "bf16":
+                assert res["eval"][0] == pytest.approx(ref["eval"], rel=1e-5)  # eval_batch right after the last step
             for name, value in res["params"].items():
                 if run.get("dtype") == "bf16":  # tracks fp32: well inside what training moved
                     moved = (ref["params"][name] - ref["initial"][name]).abs().mean()
