@@ -121,7 +121,7 @@ class Fastzero(Job):
         self.engine, *_ = fastzero.initialize(model=make_model(spec["width"], spec["layers"]), config=cfg)
         self.x, self.y = x, y
         self.extra = {"hidden_frac": [], "step_ms": [], "allgather_ms": [], "adam_in_step_ms": [], "param_wait_ms": []}
-        self.launched = None  # stages 1-2: the param all-gathers the last timed step() left in flight
+        self.launched = []  # stages 1-2: the param all-gathers the previous step() left in flight
         self.adam_s = 0.0
         if v.get("offload"):  # time the CPU Adam part of the offloaded step: the kernel calls inside it
             import fastzero.runtime.offload as offload
@@ -136,6 +136,7 @@ class Fastzero(Job):
             offload.cpu_adam_step = timed
 
     def before(self):
+        self.launched = self.engine.comm.events(tag="param")  # the previous step's, waited for by this forward
         self.engine.comm.record.clear()  # the record is this step's
         self.adam_s = 0.0
 
@@ -160,13 +161,10 @@ class Fastzero(Job):
         # each param when a module needs it: tagged "param:NAME", not counted here). With overlap_comm step()
         # returns with them in flight and the next forward waits per bucket: read them one step later, when
         # done, with the time that forward's pre-hooks blocked on them (CommEvent.waited)
-        prev, self.launched = self.launched, e.comm.events(tag="param")
-        if prev:
-            self.extra["allgather_ms"].append((max(ev.done for ev in prev) - min(ev.launched for ev in prev)) * 1e3)
-            self.extra["param_wait_ms"].append(sum(ev.waited for ev in prev) * 1e3)
-        elif prev is not None or e.stage in (0, 3):
-            self.extra["allgather_ms"].append(0.0)
-            self.extra["param_wait_ms"].append(0.0)
+        prev = self.launched
+        span = max(ev.done for ev in prev) - min(ev.launched for ev in prev) if prev else 0.0
+        self.extra["allgather_ms"].append(span * 1e3)
+        self.extra["param_wait_ms"].append(sum(ev.waited for ev in prev) * 1e3)
 
     def memory(self):
         e = self.engine
