@@ -120,7 +120,8 @@ class Fastzero(Job):
         }
         self.engine, *_ = fastzero.initialize(model=make_model(spec["width"], spec["layers"]), config=cfg)
         self.x, self.y = x, y
-        self.extra = {"hidden_frac": [], "step_ms": [], "allgather_ms": [], "adam_in_step_ms": []}
+        self.extra = {"hidden_frac": [], "step_ms": [], "allgather_ms": [], "adam_in_step_ms": [], "param_wait_ms": []}
+        self.launched = []  # stages 1-2: the param all-gathers the previous step() left in flight
         self.adam_s = 0.0
         if v.get("offload"):  # time the CPU Adam part of the offloaded step: the kernel calls inside it
             import fastzero.runtime.offload as offload
@@ -135,6 +136,7 @@ class Fastzero(Job):
             offload.cpu_adam_step = timed
 
     def before(self):
+        self.launched = self.engine.comm.events(tag="param")  # the previous step's, waited for by this forward
         self.engine.comm.record.clear()  # the record is this step's
         self.adam_s = 0.0
 
@@ -156,13 +158,17 @@ class Fastzero(Job):
         self.extra["step_ms"].append(self.step_s * 1e3)
         self.extra["adam_in_step_ms"].append(self.adam_s * 1e3)
         # stages 1-2: all in flight together after the step, their span is the all-gather's time (stage 3 gathers
-        # each param when a module needs it: tagged "param:NAME", not counted here)
-        param = e.comm.events(tag="param")
-        span = max(ev.done for ev in param) - min(ev.launched for ev in param) if param else 0.0
+        # each param when a module needs it: tagged "param:NAME", not counted here). With overlap_comm step()
+        # returns with them in flight and the next forward waits per bucket: read them one step later, when
+        # done, with the time that forward's pre-hooks blocked on them (CommEvent.waited)
+        prev = self.launched
+        span = max(ev.done for ev in prev) - min(ev.launched for ev in prev) if prev else 0.0
         self.extra["allgather_ms"].append(span * 1e3)
+        self.extra["param_wait_ms"].append(sum(ev.waited for ev in prev) * 1e3)
 
     def memory(self):
         e = self.engine
+        e.wait_params()  # the end of training: the last step's all-gathers
         br = e.memory_breakdown()
         out = {
             "model_state_bytes": sum(br.values()),

@@ -227,6 +227,7 @@ class Jobs:
         out.add(name, "of_zero_formula", (res["model_state_bytes"] - buckets - persistent) / formula)
         if stage < 3:
             out.add(name, "allgather_ms", ex["allgather_ms"])
+            out.add(name, "param_wait_ms", ex.get("param_wait_ms"))
             out.add(name, "step_over_kernel_allgather", ex["step_ms"] / (ex["kernel_ms"] + ex["allgather_ms"]))
 
     def table(self, case_info: dict, provs: dict[str, dict[str, float]]) -> list[str]:
@@ -268,6 +269,7 @@ COLUMNS = {
         ("step() ms", "step_call_ms", ".1f", 1.0),
         ("kernel ms", "kernel_ms", ".1f", 1.0),
         ("all-gather ms", "allgather_ms", ".1f", 1.0),
+        ("forward waits ms", "param_wait_ms", ".1f", 1.0),
         ("step / (kernel + AG)", "step_over_kernel_allgather", ".2f", 1.0),
         ("persistent MiB", "persistent_bytes", ".2f", MiB),
         ("peak gathered params MiB", "peak_gathered_bytes", ".1f", MiB),
@@ -329,7 +331,7 @@ ZERO_JOBS = Jobs(
     gated="fastzero-s2",
     columns=_columns(
         "model_state_bytes zero_formula_bytes of_zero_formula grad_bucket_bytes grad_comm_hidden step_call_ms "
-        "kernel_ms allgather_ms step_over_kernel_allgather",
+        "kernel_ms allgather_ms param_wait_ms step_over_kernel_allgather",
     ),
     legend=_TIMES
     + _STATES.format(where="", how=", DTensor local shards, DeepSpeed's flat buffers")
@@ -337,7 +339,8 @@ ZERO_JOBS = Jobs(
         "ZeRO formula (fp32 Adam, N ranks): 16 psi, 8 psi + 8 psi/N, 4 psi + 12 psi/N; 'of formula' "
         "leaves the bucket buffers out. Grad comm hidden: the share of the gradient collectives' time (launch to "
         "done) before backward ended. step(): engine.step(); kernel: the Adam kernel alone over the rank's shard; "
-        "all-gather: the span of the params' all-gathers."
+        "all-gather: the span of the params' all-gathers, which step() leaves in flight (overlap_comm); forward "
+        "waits: the time the next forward's pre-hooks blocked on them, summed over buckets (CommEvent.waited)."
     ),
 )
 

@@ -30,6 +30,8 @@ class CommEvent:
     launched: float  # time.perf_counter() at launch
     done: float | None = None  # when the collective completed (seen by a callback or the wait)
     world_size: int = 1
+    waited: float = 0.0  # seconds callers spent blocked in Handle.wait on it
+    wait_site: str = ""  # who waited first ("forward:<module>", "step", ...; "wait" unnamed; "" nobody yet)
 
     @property
     def wire_bytes(self) -> float:
@@ -67,9 +69,15 @@ class Handle:
         if self.event.done is None:
             self.event.done = time.perf_counter()
 
-    def wait(self) -> None:
+    def wait(self, site: str = "") -> None:
+        """Blocks until done; the time blocked is added to the event's
+        ``waited``, and the first waiter's `site` ("wait" when unnamed) is its ``wait_site``."""
+        if not self.event.wait_site:
+            self.event.wait_site = site or "wait"
         if self.work is not None:
+            start = time.perf_counter()
             self.work.wait()
+            self.event.waited += time.perf_counter() - start
             self._mark()
 
 

@@ -16,6 +16,7 @@ pass), and the loss scaler and schedules are :mod:`fastzero.runtime`'s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -39,7 +40,7 @@ from fastzero.runtime.monitor import Monitor
 from fastzero.runtime.onebit_base import OneBitBase
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
-from fastzero.runtime.stage3 import ParamFetcher, Stage3Group, is_partitioned
+from fastzero.runtime.stage3 import ParamFetcher, Stage3Group, external_params, is_partitioned, refresh_persistent
 
 
 class NonFiniteGradients(FloatingPointError):
@@ -234,6 +235,20 @@ class Engine(torch.nn.Module):
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0, "backward_end": 0.0}
         self.monitor = Monitor(cfg, rank=self.global_rank)
         mark_owner(self, (p for g in self.groups for p in g.params))  # for fastzero.zero.GatheredParameters
+        # stages 1-2 with overlap_comm: step() returns with the param all-gathers in flight; each module's forward
+        # pre-hook waits for the buckets of its own params (docs/zero.md, "The post-step all-gather")
+        self._overlap_gather = self.stage in (1, 2) and zero.overlap_comm
+        self._param_waits: dict[torch.nn.Module, list[tuple[FlatGroup, list[int], list[int]]]] = {}
+        self._module_names = {m: n for n, m in self.module.named_modules()}
+        if self._overlap_gather:
+            for m in self.module.modules():
+                self._add_param_waits(m, [*m.parameters(recurse=False), *external_params(m)])
+            # a pipeline chunk runs a layer as forward_fn(module, x) (a tied embedding as the output head): that
+            # module's forward never runs, so the chunk's pre-hook waits for its params
+            for chunk in getattr(self.module, "chunks", []) if self._pipelined else []:
+                for func in chunk.forward_funcs:
+                    if isinstance(func, functools.partial) and func.args and isinstance(func.args[0], torch.nn.Module):
+                        self._add_param_waits(chunk, list(func.args[0].parameters()))
 
     # -- set-up -----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -250,6 +265,45 @@ class Engine(torch.nn.Module):
             except AttributeError:
                 pass
         raise AttributeError(f"neither the engine nor its wrapped module has an attribute {name!r}")
+
+    def _add_param_waits(self, m: torch.nn.Module, params: list[Tensor]) -> None:
+        """`m`'s forward reads `params`: its pre-hook (registered once) waits
+        for the post-step all-gather of the buckets that hold them."""
+        ids = {id(p) for p in params}
+        waits = self._param_waits.setdefault(m, [])
+        fresh = not waits
+        for g in self.groups:
+            indices = [i for i, p in enumerate(g.params) if id(p) in ids]
+            if indices:
+                waits.append((g, g.buckets_of(indices), indices))
+        if not waits:
+            del self._param_waits[m]
+        elif fresh:
+            site = f"forward:{self._module_names.get(m) or type(m).__name__}"
+            m.register_forward_pre_hook(lambda mod, _args, site=site: self._wait_module(mod, site))
+
+    def _wait_module(self, m: torch.nn.Module, site: str) -> None:
+        if not self._params_in_flight:
+            return
+        for g, buckets, indices in self._param_waits[m]:
+            g.wait_gather(buckets, site, seen=indices)
+
+    @property
+    def _params_in_flight(self) -> bool:
+        return self.stage in (1, 2) and any(g.gathering() for g in self.groups)
+
+    def wait_params(self, site: str = "wait_params") -> None:
+        """Stages 1-2 with ``overlap_comm``: waits for the params' post-step
+        all-gather (step() returns with it in flight and each module's
+        forward waits for its own buckets). Call it before reading params
+        outside a forward after step() (``engine.module.parameters()``,
+        ``fastzero.zero.GatheredParameters`` at stages 1-2, the end of
+        training); the engine's own readers (step, backward, ``gathered()``,
+        ``state_dict()``, ``load_state_dict()``, checkpoints,
+        ``refresh_from_module()``) call it. A no-op otherwise."""
+        if self._params_in_flight:
+            for g in self.groups:
+                g.wait_gather(site=site)
 
     def _split_groups(self, groups: list[dict]) -> list[dict]:
         """The param groups the engine shards, from the optimizer's (the
@@ -350,6 +404,8 @@ class Engine(torch.nn.Module):
         owns it (a tied weight used directly, say): gather it for `module` too."""
         if self.fetcher is not None:
             self.fetcher.register_external(module, param)
+        elif self._overlap_gather:
+            self._add_param_waits(module, [param])
 
     def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
         """Backward of `loss` (scaled when fp16); the gradients are reduced in
@@ -391,6 +447,7 @@ class Engine(torch.nn.Module):
         if not boundary:
             return
         start = time.perf_counter()
+        self.wait_params("step")  # buckets of params no forward used: the optimizer writes their chunks
         if any(g.unreduced() for g in self.groups):
             raise RuntimeError("gradients were not reduced: call engine.backward(loss), not loss.backward()")
         if self._got_grad is not None:
@@ -412,11 +469,16 @@ class Engine(torch.nn.Module):
                 for g in self.groups:
                     g.compressed_reduce(divisor / coef)
             self.optimizer.step(grad_scale=divisor / coef)
-            handles = [h for g in self.groups for h in g.gather()]
+            # stage 3: the persistent params, one all-gather per dtype over all of them; stages 1-2: per bucket
+            handles = refresh_persistent(self.groups) if self.stage == 3 else []
+            for g in self.groups if self.stage < 3 else ():
+                g.gather()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             for h in handles:
-                h.wait()
+                h.wait("step")
+            if not self._overlap_gather:  # else each module's forward waits for its buckets
+                self.wait_params("step")
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self._zero_grads()
@@ -605,6 +667,7 @@ class Engine(torch.nn.Module):
         ones and releases them after; other stages hold them whole anyway).
         DeepSpeed's ``zero.GatheredParameters`` for the whole model. Nests:
         the outermost block gathers and releases."""
+        self.wait_params("gathered")
         if self.fetcher is None or self._gather_depth:
             self._gather_depth += 1
             try:
@@ -625,6 +688,7 @@ class Engine(torch.nn.Module):
         ``module.`` prefix), so it loads into the bare model. At stage 3 it is
         a collective (every rank calls it): the params are gathered and the
         dict holds copies of the whole tensors."""
+        self.wait_params("state_dict")
         if self.fetcher is None:
             return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         with self.gathered() as module:
@@ -699,6 +763,7 @@ class Engine(torch.nn.Module):
         load does not miss them (the model keeps its own), as DeepSpeed."""
         from fastzero.runtime.checkpoint_io import save_checkpoint
 
+        self.wait_params("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
@@ -720,6 +785,7 @@ class Engine(torch.nn.Module):
 
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: leave it None")
+        self.wait_params("load_checkpoint")  # an all-gather in flight would overwrite what is loaded
         return load_checkpoint(
             self,
             load_dir,
@@ -746,6 +812,7 @@ class Engine(torch.nn.Module):
         Every rank calls it with the params whole (at stage 3 inside
         ``engine.gathered()`` or ``fastzero.zero.GatheredParameters``) and
         holding the same values; it runs no collectives."""
+        self.wait_params("refresh_from_module")
         trained = {id(p) for g in self.groups for p in g.params}
         wanted = None
         if params is not None:

@@ -15,6 +15,15 @@ its shard of the gradient, the fp32 master and the optimizer state.
   backward: one collective per bucket per step, for a full gradient's memory
   between the micro-batches.
 
+Stages 1-2, after the step: :meth:`FlatGroup.gather` launches one all-gather
+per bucket and keeps the handles; with ``overlap_comm`` the engine returns
+from ``step()`` with them in flight and waits per bucket
+(:meth:`FlatGroup.wait_gather`) in the forward pre-hook of each module whose
+params the bucket holds, so the next forward starts when its first bucket
+lands. A bucket nobody waited for by the next backward is waited there, and a
+param of it that then gets a gradient was read by a forward before it landed
+(its module's forward never ran: used from outside): that raises, naming it.
+
 It implements :class:`~fastzero.runtime.groups.ZeroGroup` (and, for 1-bit
 Adam, :class:`~fastzero.runtime.groups.CompressingGroup`).
 """
@@ -27,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.comm import Comm, FlatLayout, GradReducer, Handle, compressed_reduce_scatter, gather_params
+from fastzero.comm import Comm, FlatLayout, GradReducer, Handle, compressed_reduce_scatter
 from fastzero.runtime.groups import CompressingGroup, Piece
 
 
@@ -79,6 +88,8 @@ class FlatGroup(CompressingGroup):
         self._compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major
         self._reduced = False  # the gradients hold a reduction since they were zeroed
         self._carry: Tensor | None = None  # stage 0, a second backward: the sum reduced by the first
+        self._gathering: dict[int, Handle] = {}  # the post-step all-gathers still in flight, by bucket
+        self._suspect: set[int] = set()  # params whose bucket landed only at backward (module docstring)
         self.attach_grads()
 
     def _view(self, flat: Tensor, i: int) -> Tensor:
@@ -106,6 +117,12 @@ class FlatGroup(CompressingGroup):
         reduce-scatters the local sum again; stage 0, whose all-reduce works
         in place, sets the sum it already has aside and adds it back after."""
         self.attach_grads()
+        if self._gathering:  # buckets nobody waited for: their params' forwards did not run yet
+            late = {b for b, h in self._gathering.items() if not h.event.wait_site}
+            self.wait_gather(site="backward")
+            self._suspect = {
+                i for i, touched in enumerate(self.layout.param_buckets) if any(b in late for b, _ in touched)
+            }
         if self.stage == 2 and not self.reduce_once:
             self.reducer.begin(accumulate=not first)
         elif boundary:
@@ -116,6 +133,14 @@ class FlatGroup(CompressingGroup):
 
     def grad_ready(self, i: int, p: Tensor) -> None:
         """Param i's gradient is final for this backward (its post-accumulate-grad hook)."""
+        if i in self._suspect:
+            raise RuntimeError(
+                f"{self.names[i]} got a gradient, but its post-step all-gather was still in flight when the "
+                "forward used it: the forward of the module that owns it never ran, so nothing waited for it "
+                "(overlap_comm overlaps that all-gather with the next forward). Register it for the module whose "
+                "forward uses it (engine.register_external_parameter(module, param)), call engine.wait_params() "
+                "before the forward, or set zero_optimization.overlap_comm: false"
+            )
         if self.stage == 2:
             if self.reducer.active:
                 self.reducer.ready(i, p.grad)
@@ -203,7 +228,41 @@ class FlatGroup(CompressingGroup):
         self._reduced = False
 
     def gather(self) -> list[Handle]:
-        return [] if self.stage == 0 else gather_params(self.comm, self.layout, self.flat)
+        """Stages 1-2, after the step: every bucket's all-gather launched and
+        kept (wait with :meth:`wait_gather`); also returned."""
+        if self.stage == 0:
+            return []
+        self.wait_gather(site="gather")  # never two all-gathers writing one bucket
+        # last bucket first: the layout is in backward's order, so it holds the params the forward reads first,
+        # and the collectives run in launch order
+        self._gathering = {}
+        for b in reversed(self.layout.buckets):
+            lo, hi = b.owned(self.rank)
+            self._gathering[b.index] = self.comm.all_gather(
+                self.flat[b.start : b.start + b.size], self.flat[lo:hi], "param"
+            )
+        self._suspect = set()
+        return list(self._gathering.values())
+
+    def gathering(self) -> bool:
+        """A post-step all-gather is still in flight (not waited for)."""
+        return bool(self._gathering)
+
+    def buckets_of(self, indices: list[int]) -> list[int]:
+        """The buckets that hold params `indices`, in bucket order."""
+        return sorted({b for i in indices for b, _ in self.layout.param_buckets[i]})
+
+    def wait_gather(self, buckets: list[int] | None = None, site: str = "", seen: list[int] = ()) -> None:
+        """Waits for the post-step all-gather of `buckets` (None: all),
+        recording the time blocked and `site` on each bucket's comm event;
+        `seen`: params whose module's forward starts now (they are read after
+        this wait, so fine)."""
+        for b in list(self._gathering) if buckets is None else buckets:
+            handle = self._gathering.pop(b, None)
+            if handle is not None:
+                handle.wait(site)
+        if seen and self._suspect:
+            self._suspect.difference_update(seen)
 
     # -- state ---------------------------------------------------------------------------
     def owned(self, opt_params: list[Tensor]) -> list[Piece]:

@@ -18,6 +18,12 @@ Gradients are reduce-scattered into each unit's chunk of the gradient shard
 as backward produces them (the stage 2 reducer, one per param, sharing one
 buffer pool); the param is released as soon as its gradient is out.
 
+After the step, the persistent params (whole on every rank) are refreshed
+from every rank's updated chunks by one flat all-gather per dtype over all
+of them (:func:`refresh_persistent`), not one per param: a model with
+hundreds of LayerNorms would otherwise pay a collective's latency hundreds
+of times.
+
 :class:`Stage3Group` implements :class:`~fastzero.runtime.groups.ZeroGroup`.
 The marks stage 3 leaves on the user's params and modules (a param's chunk
 from ``fastzero.zero.Init``, a module's external params, its fetcher) are
@@ -211,8 +217,8 @@ class Stage3Group(ZeroGroup):
 
     def gather(self) -> list[Handle]:
         """After the step: persistent params are refreshed from every rank's
-        chunk; the others are gathered when next used."""
-        return [u.refresh() for u in self.units if u.persistent]
+        chunk (:func:`refresh_persistent`); the others are gathered when next used."""
+        return refresh_persistent([self])
 
     def owned(self, opt_params: list[Tensor]) -> list[Piece]:
         """Each unit's chunk (one optimizer tensor per unit)."""
@@ -254,6 +260,49 @@ class Stage3Group(ZeroGroup):
         else:
             out["params"] += nbytes(self.shard)
         return out
+
+
+class PersistentRefresh:
+    """One flat all-gather of persistent units in flight: rank r's chunks of
+    every unit back to back (`per_rank` elements) land as row r of `recv`;
+    :meth:`wait` then copies each unit's column of chunks into its whole
+    buffer (which its param views)."""
+
+    def __init__(self, handle: Handle, recv: Tensor, units: list[Unit], per_rank: int) -> None:
+        self.handle, self.recv, self.units, self.per_rank = handle, recv, units, per_rank
+        self.event = handle.event
+
+    def wait(self, site: str = "") -> None:
+        if self.handle is None:
+            return
+        self.handle.wait(site)
+        self.handle = None
+        rows = self.recv.view(-1, self.per_rank)
+        offset = 0
+        for u in self.units:
+            chunk = u.shard.numel()
+            u.full.view(-1, chunk).copy_(rows[:, offset : offset + chunk])
+            offset += chunk
+        self.recv = None
+
+
+def refresh_persistent(groups: list[Stage3Group]) -> list[PersistentRefresh]:
+    """After the step: every persistent unit of `groups` refreshed by one
+    all-gather per (dtype, device) over all of them, tagged
+    ``param:persistent``. Wait on what it returns."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Unit]] = {}
+    for g in groups:
+        for u in g.units:
+            if u.persistent:
+                u.wait()  # its whole buffer is written below
+                by_kind.setdefault((u.shard.dtype, u.device), []).append(u)
+    out = []
+    for (dtype, device), units in by_kind.items():
+        comm = units[0].comm
+        send = torch.cat([u.shard.to(device, non_blocking=True) for u in units])  # offloaded chunks come over
+        recv = torch.empty(comm.world_size * send.numel(), dtype=dtype, device=device)
+        out.append(PersistentRefresh(comm.all_gather(recv, send, "param:persistent"), recv, units, send.numel()))
+    return out
 
 
 class ParamFetcher:

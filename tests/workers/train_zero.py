@@ -135,6 +135,104 @@ def train(run: dict) -> None:
     )
 
 
+class OutsideUse(torch.nn.Module):
+    """The root's forward reads `head`'s params without calling `head`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = torch.nn.Linear(33, 65), torch.nn.Linear(65, 17)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.body(x)) @ self.head.weight.t() + self.head.bias
+
+
+def postgather(run: dict) -> None:
+    """Stages 1-2 with overlap_comm: after each step() the param all-gathers
+    are still in flight (nobody waited for them) and each is waited for by a
+    module's forward pre-hook; at every forward the module's params equal a
+    plain single-process AdamW's after as many steps; gathered() and
+    state_dict() right after step() see the updated params. Stage 3: what
+    step() gathers is one all_gather. `outside`: the OutsideUse model
+    (`register`: with head's params registered for the root)."""
+    model = OutsideUse() if run.get("outside") else make_model()
+    ref = OutsideUse() if run.get("outside") else make_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=run.get("lr", 1e-2), weight_decay=0.1)
+    engine, *_ = fastzero.initialize(model=model, config=config(run))
+    if run.get("register"):
+        for p in model.head.parameters():
+            engine.register_external_parameter(engine.module, p)
+    rank, world, gas = engine.comm.rank, engine.comm.world_size, engine.gradient_accumulation_steps()
+    want = dict(ref.named_parameters())
+    names = {m: n for n, m in model.named_modules()}
+    checked, worst = [], 0.0
+
+    # what each module's forward reads (OutsideUse's root: head's params)
+    reads = {m: [(f"{names[m]}.{n}".lstrip("."), p) for n, p in m.named_parameters(recurse=False)] for m in names}
+    if run.get("outside"):
+        reads[model] = [(f"head.{n}", p) for n, p in model.head.named_parameters()]
+
+    def check(m, _args):  # registered after the engine's pre-hook: runs after its wait
+        nonlocal worst
+        for full, p in reads[m]:
+            worst = max(worst, (p.detach().float() - want[full].detach()).abs().max().item())
+            checked.append(full)
+
+    hooks = [m.register_forward_pre_hook(check) for m in model.modules() if reads[m]]
+    in_flight, sites, persistent, after_step = [], [], [], {}
+    for step in range(run.get("steps", 6)):
+        x, y = global_batch(step, MICRO * gas * world)
+        for m in range(gas):
+            rows = slice((m * world + rank) * MICRO, (m * world + rank + 1) * MICRO)
+            loss = torch.nn.functional.mse_loss(engine(x[rows]).float(), y[rows])
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.comm.record.clear()
+            engine.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x).float(), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), run.get("clip", 0.5))
+        opt.step()
+        assert boundary
+        gathers = engine.comm.events(op="all_gather")
+        if engine.stage == 3:
+            persistent.append(sorted(e.tag for e in gathers))
+            continue
+        # launched by this step, nobody waited for them yet, still held by the groups
+        in_flight.append((len(gathers), sum(e.wait_site == "" for e in gathers), engine._params_in_flight))
+        reader = run.get("read_at", {}).get(str(step))
+        if reader == "gathered":
+            with engine.gathered() as module:
+                after_step[step] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        elif reader == "state_dict":
+            after_step[step] = {n: t.clone() for n, t in engine.state_dict().items()}
+        if reader is not None:
+            worst_read = max((after_step[step][n] - want[n].detach()).abs().max().item() for n in want)
+            after_step[step] = (reader, worst_read, sorted({e.wait_site for e in gathers}))
+        else:
+            loss = engine(x[:1])  # an eval-style forward (no backward): the hooks wait as for training
+            sites.append(sorted({e.wait_site for e in gathers}))
+    for h in hooks:
+        h.remove()
+    engine.wait_params()
+    with engine.gathered() as module:
+        params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
+    torch.save(
+        dict(
+            params=params,
+            want={n: p.detach().clone() for n, p in want.items()},
+            worst=worst,
+            checked=sorted(set(checked)),
+            in_flight=in_flight,
+            sites=sites,
+            after_step=after_step,
+            persistent=persistent,
+            buckets=[len(g.layout.buckets) for g in engine.groups if hasattr(g, "layout")],
+        ),
+        f"{run['out']}.rank{rank}.pt",
+    )
+
+
 if __name__ == "__main__":
     for run in json.load(open(sys.argv[1])):
-        train(run)
+        postgather(run) if run.get("postgather") else train(run)
