@@ -16,7 +16,6 @@ pass), and the loss scaler and schedules are :mod:`fastzero.runtime`'s.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 import warnings
@@ -243,12 +242,6 @@ class Engine(torch.nn.Module):
         if self._overlap_gather:
             for m in self.module.modules():
                 self._add_param_waits(m, [*m.parameters(recurse=False), *external_params(m)])
-            # a pipeline chunk runs a layer as forward_fn(module, x) (a tied embedding as the output head): that
-            # module's forward never runs, so the chunk's pre-hook waits for its params
-            for chunk in getattr(self.module, "chunks", []) if self._pipelined else []:
-                for func in chunk.forward_funcs:
-                    if isinstance(func, functools.partial) and func.args and isinstance(func.args[0], torch.nn.Module):
-                        self._add_param_waits(chunk, list(func.args[0].parameters()))
 
     # -- set-up -----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:

@@ -29,6 +29,7 @@ What it adds to :class:`~fastzero.runtime.engine.Engine`:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Iterator
@@ -143,6 +144,14 @@ class PipelineEngine(Engine):
                 "model from LayerSpecs (docs/pipeline.md)"
             )
         super().__init__(module, config, mpu=module.topology, **kwargs)
+        if self._overlap_gather:
+            # a layer run as forward_fn(module, x) (a tied embedding as the output head): that module's forward
+            # never runs, so the chunk's forward pre-hook waits for its params' post-step all-gather
+            for chunk in module.chunks:
+                for func in chunk.forward_funcs:
+                    if isinstance(func, functools.partial) and func.args and isinstance(func.args[0], torch.nn.Module):
+                        for p in func.args[0].parameters():
+                            self.register_external_parameter(chunk, p)
         pc = config.pipeline
         self.num_stages, self.stage_id = module.num_stages, module.stage_id
         self.virtual_stages = module.virtual_stages
