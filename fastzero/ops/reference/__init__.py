@@ -6,6 +6,7 @@ fallback where no faster backend exists."""
 from fastzero.ops.adam.reference import adam_step
 from fastzero.ops.lamb.reference import lamb_step
 from fastzero.ops.onebit import reference as onebit
+from fastzero.ops.quant import reference as quant
 from fastzero.ops.sparse_attention import reference as sparse_attention
 
-__all__ = ["adam_step", "lamb_step", "onebit", "sparse_attention"]
+__all__ = ["adam_step", "lamb_step", "onebit", "quant", "sparse_attention"]
