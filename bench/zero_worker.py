@@ -107,7 +107,12 @@ class Fastzero(Job):
 
         v = spec["variant"]
         self.stage = v["stage"]
-        zero = {"stage": self.stage, "overlap_comm": True, "reduce_bucket_size": spec["bucket"]}
+        zero = {
+            "stage": self.stage,
+            "overlap_comm": True,
+            "overlap_param_gather": True,
+            "reduce_bucket_size": spec["bucket"],
+        }
         if self.stage == 3:
             zero.update(stage3_prefetch_bucket_size=v["prefetch"], stage3_param_persistence_threshold=spec["persist"])
         if v.get("offload"):
@@ -277,6 +282,7 @@ class DeepSpeedJob(Job):
         zero = {
             "stage": v["stage"],
             "overlap_comm": True,
+            "overlap_param_gather": True,
             "reduce_bucket_size": spec["bucket"],
             "allgather_bucket_size": spec["bucket"],
             "contiguous_gradients": True,

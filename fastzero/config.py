@@ -88,6 +88,9 @@ class OffloadConfig:
 class ZeroConfig:
     stage: int = _opt(0, "int", low=0, high=3)
     overlap_comm: bool = _opt(False, "bool")
+    # fastzero's (Megatron's name): stages 1-2, step() returns with the param all-gather in flight, each module's
+    # forward waiting for its buckets; params read outside a forward need engine.wait_params() (docs/zero.md)
+    overlap_param_gather: bool = _opt(False, "bool")
     contiguous_gradients: bool = _opt(True, "bool")
     reduce_bucket_size: int = _opt(500_000_000, "int", low=1)
     allgather_bucket_size: int = _opt(500_000_000, "int", low=1)

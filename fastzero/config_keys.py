@@ -174,9 +174,10 @@ KEYS: dict[str, Key] = {
     # -- ZeRO -----------------------------------------------------------------------------------------------------
     "zero_optimization": done("ZeRO stages 0-3 (docs/zero.md)"),
     "zero_optimization.stage": done("0: DDP-style, 1: optimizer state, 2: + gradients, 3: + params partitioned"),
-    "zero_optimization.overlap_comm": done(
-        "reduce buckets during backward (stage 0 always does); stages 1-2: step() returns with the param all-gather "
-        "in flight, each module's forward waiting for its own buckets (docs/zero.md)"
+    "zero_optimization.overlap_comm": done("reduce buckets during backward (stage 0 always does)"),
+    "zero_optimization.overlap_param_gather": own(
+        "stages 1-2: step() returns with the param all-gather in flight, each module's forward waiting for its own "
+        "buckets; read params outside a forward after engine.wait_params() (docs/zero.md)"
     ),
     "zero_optimization.contiguous_gradients": accepted(
         "fastzero's gradients always live in contiguous flat buckets; the value changes nothing"

@@ -236,7 +236,7 @@ class Engine(torch.nn.Module):
         mark_owner(self, (p for g in self.groups for p in g.params))  # for fastzero.zero.GatheredParameters
         # stages 1-2 with overlap_comm: step() returns with the param all-gathers in flight; each module's forward
         # pre-hook waits for the buckets of its own params (docs/zero.md, "The post-step all-gather")
-        self._overlap_gather = self.stage in (1, 2) and zero.overlap_comm
+        self._overlap_gather = self.stage in (1, 2) and zero.overlap_param_gather
         self._param_waits: dict[torch.nn.Module, list[tuple[FlatGroup, list[int], list[int]]]] = {}
         self._module_names = {m: n for n, m in self.module.named_modules()}
         if self._overlap_gather:

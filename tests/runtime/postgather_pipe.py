@@ -18,6 +18,7 @@ _config, _train, _step = pipe_train.config, pipe_train.train, Engine.step
 def config(run: dict) -> dict:
     cfg = _config(run)
     cfg["zero_optimization"]["overlap_comm"] = True
+    cfg["zero_optimization"]["overlap_param_gather"] = True
     return cfg
 
 

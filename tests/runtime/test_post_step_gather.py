@@ -1,4 +1,4 @@
-"""Stages 1-2 with overlap_comm: step() returns with the params' all-gather
+"""Stages 1-2 with overlap_param_gather: step() returns with the params' all-gather
 in flight and each module's forward waits for its own buckets; stage 3
 refreshes its persistent params with one all-gather per step. 2 Gloo ranks,
 against single-process torch.optim.AdamW on the same global batches."""
@@ -109,7 +109,7 @@ PIPE_RUNS = {
 def test_the_pipeline_engine_overlaps_the_gather_and_trains_as_one_process(tmp_path):
     """4 ranks (2 stages x 2 data ranks), tied first and last layer (the last
     runs it through forward_fn), clipping every step: tests/pipe's runs with
-    overlap_comm on."""
+    overlap_param_gather on."""
     from tests.pipe.test_pipe_engine import BASE, TOL
 
     runs = [dict(BASE, **r, out=str(tmp_path / key)) for key, r in PIPE_RUNS.items()]

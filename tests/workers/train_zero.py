@@ -52,6 +52,7 @@ def config(run: dict) -> dict:
         "zero_optimization": {
             "stage": run["stage"],
             "overlap_comm": run.get("overlap", True),
+            "overlap_param_gather": run.get("overlap", True),
             "reduce_bucket_size": run.get("bucket", 640),
             "allgather_bucket_size": 100000,
         },
