@@ -117,6 +117,17 @@ class ZeroConfig:
     # temporary buffers: the offloaded Adam step's staging (it cuts tensors), a client optimizer's fp32 gradients
     # (whole tensors: a larger one is a sub-group of its own). DeepSpeed's default
     sub_group_size: int = _opt(1_000_000_000, "int", low=1)
+    # ZeRO++ (docs/zeropp.md): qwZ, the param all-gathers in int8 codes (stage 3; stages 1-2: the post-step one);
+    # qgZ, the gradient reduce-scatter as an all-to-all of int4/int8 codes (stages 1-3), hierarchical across nodes;
+    # hpZ, stage 3's secondary param pieces over groups of this many data-parallel ranks (0 and 1: off)
+    zero_quantized_weights: bool = _opt(False, "bool")
+    zero_quantized_gradients: bool = _opt(False, "bool")
+    zero_hpz_partition_size: int = _opt(1, "int", low=0)
+    zero_quantized_nontrainable_weights: bool = _opt(False, "bool")
+    # fastzero's: values per fp32 scale for both (even, for int4), the gradients' width and rounding
+    zero_quantized_block_size: int = _opt(256, "int", low=2)
+    zero_quantized_gradients_bits: int = _opt(4, "int", low=4, high=8)
+    zero_quantized_gradients_rounding: str = _opt("stochastic", "choice", choices=("stochastic", "nearest"))
 
 
 OPTIMIZER_PARAMS = {
@@ -918,6 +929,58 @@ def load_section(config: Any, name: str) -> Any:
     raise ConfigError(f"config must be a Config, a path or a dict, got {type(config).__name__}")
 
 
+def _check_zeropp(cfg: Config, world_size: int) -> None:
+    """ZeRO++'s keys against the stage, the precision settings and the data-parallel world."""
+    zero = cfg.zero_optimization
+    key = "zero_optimization."
+    if zero.zero_quantized_weights and zero.stage == 0:
+        raise ConfigError(
+            f"{key}zero_quantized_weights needs stage >= 1 (stage is 0): it quantizes the all-gather of the "
+            "partitioned params, and stage 0 partitions none"
+        )
+    if zero.zero_quantized_gradients and zero.stage == 0:
+        raise ConfigError(
+            f"{key}zero_quantized_gradients needs stage >= 1 (stage is 0): it quantizes the gradient "
+            "reduce-scatter, and stage 0 all-reduces; for compressed all-reduce use a 1-bit optimizer (OneBitAdam)"
+        )
+    hpz = zero.zero_hpz_partition_size
+    if hpz > 1 and zero.stage != 3:
+        raise ConfigError(
+            f"{key}zero_hpz_partition_size = {hpz} needs stage 3 (stage is {zero.stage}): only stage 3 gathers "
+            "params for each forward and backward; at stages 1-2 every rank holds them whole"
+        )
+    if hpz > 1 and world_size % hpz:
+        raise ConfigError(
+            f"{key}zero_hpz_partition_size = {hpz} does not divide the data-parallel world size {world_size}: "
+            "make it a divisor (the ranks per node, usually)"
+        )
+    if zero.zero_quantized_gradients_bits not in (4, 8):
+        raise ConfigError(
+            f"{key}zero_quantized_gradients_bits = {zero.zero_quantized_gradients_bits}: must be 4 (int4) or 8 (int8)"
+        )
+    if zero.zero_quantized_gradients and zero.zero_quantized_gradients_bits == 4 and zero.zero_quantized_block_size % 2:
+        raise ConfigError(
+            f"{key}zero_quantized_block_size = {zero.zero_quantized_block_size} with int4 gradients: int4 packs "
+            "two codes a byte, so blocks must be even"
+        )
+    if zero.zero_quantized_gradients and cfg.communication_data_type is not None:
+        raise ConfigError(
+            f"communication_data_type = {cfg.communication_data_type!r} with {key}zero_quantized_gradients: "
+            "quantized gradients travel as int4/int8 codes, not in a float dtype; drop one"
+        )
+    if zero.zero_quantized_nontrainable_weights and zero.stage != 3:
+        raise ConfigError(
+            f"{key}zero_quantized_nontrainable_weights needs stage 3 (stage is {zero.stage}): it keeps stage 3's "
+            "frozen params as int8 codes"
+        )
+    compressed = zero.zero_quantized_gradients or zero.zero_quantized_weights
+    if compressed and cfg.optimizer.type in [OPTIMIZER_NAMES[t] for t in ONEBIT_FAMILY]:
+        raise ConfigError(
+            f"{key}zero_quantized_weights/zero_quantized_gradients with {cfg.optimizer.type}: the 1-bit "
+            "optimizers compress their own exchange (stages 0-1) and are not combined with ZeRO++; use one"
+        )
+
+
 def _validate(raw: dict, world_size: int) -> Config:
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size = {world_size!r}: must be an integer >= 1")
@@ -925,6 +988,7 @@ def _validate(raw: dict, world_size: int) -> Config:
     cfg = replace(cfg, optimizer=_resolve_optimizer(cfg.optimizer), scheduler=_resolve_scheduler(cfg.scheduler))
     cfg = _resolve_batch(cfg, world_size)
     _check_combinations(cfg)
+    _check_zeropp(cfg, world_size)
     return cfg
 
 

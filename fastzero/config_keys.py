@@ -266,10 +266,25 @@ KEYS: dict[str, Key] = {
         "true: params without a gradient count as zero; false: an error naming them"
     ),
     "zero_optimization.legacy_stage1": refused("DeepSpeed's old stage 1; fastzero has one stage 1"),
-    "zero_optimization.zero_hpz_partition_size": refused("ZeRO++ hierarchical partitioning is not implemented"),
-    "zero_optimization.zero_quantized_weights": refused("ZeRO++ quantized weights are not implemented"),
-    "zero_optimization.zero_quantized_nontrainable_weights": refused("ZeRO++ quantized weights are not implemented"),
-    "zero_optimization.zero_quantized_gradients": refused("ZeRO++ quantized gradients are not implemented"),
+    "zero_optimization.zero_hpz_partition_size": done(
+        "ZeRO++ hpZ (stage 3): a secondary copy of each param split over groups of this many data-parallel ranks, "
+        "so a step's gathers after the first stay inside the group (docs/zeropp.md)"
+    ),
+    "zero_optimization.zero_quantized_weights": done(
+        "ZeRO++ qwZ: param all-gathers as block-wise int8 codes (stage 3; stages 1-2: the post-step all-gather)"
+    ),
+    "zero_optimization.zero_quantized_nontrainable_weights": done(
+        "stage 3's frozen params kept as int8 codes, dequantized for the modules that use them"
+    ),
+    "zero_optimization.zero_quantized_gradients": done(
+        "ZeRO++ qgZ (stages 1-3): the gradient reduce-scatter as an all-to-all of int4 (or int8) codes, "
+        "hierarchical (inside each node, then across) with several nodes"
+    ),
+    "zero_optimization.zero_quantized_block_size": own("values per fp32 scale in ZeRO++'s codes (default 256)"),
+    "zero_optimization.zero_quantized_gradients_bits": own("qgZ's code width: 4 (default) or 8"),
+    "zero_optimization.zero_quantized_gradients_rounding": own(
+        "qgZ's rounding: stochastic (default, unbiased; keyed by step, bucket and rank) or nearest (even)"
+    ),
     "zero_optimization.zeropp_loco_param": refused(REMOVED),
     "zero_optimization.mics_shard_size": refused(REMOVED),
     "zero_optimization.mics_hierarchical_params_gather": refused(REMOVED),

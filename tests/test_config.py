@@ -120,8 +120,8 @@ def test_bad_configs_name_the_key_the_value_and_what_is_allowed(config, match):
         ),
         (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), r"'nvme'"),
         (
-            cfg(zero_optimization={"zero_hpz_partition_size": 8}),
-            r"zero_optimization.zero_hpz_partition_size: a DeepSpeed setting",
+            cfg(zero_optimization={"memory_efficient_linear": True}),
+            r"zero_optimization.memory_efficient_linear: a DeepSpeed setting",
         ),
         (cfg(optimizer={"type": "Adam", "params": {"amsgrad": True}}), r"optimizer.params.amsgrad: not supported"),
     ],
@@ -272,3 +272,51 @@ def test_without_hjson_a_non_json_file_says_how_to_read_it(tmp_path, monkeypatch
     path.write_text(HJSON)
     with pytest.raises(ConfigError, match="is not valid JSON .*pip install hjson"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "zero, world, match",
+    [
+        ({"stage": 0, "zero_quantized_weights": True}, 1, r"zero_quantized_weights needs stage >= 1"),
+        ({"stage": 0, "zero_quantized_gradients": True}, 1, r"zero_quantized_gradients needs stage >= 1.*1-bit"),
+        ({"stage": 2, "zero_hpz_partition_size": 2}, 4, r"zero_hpz_partition_size = 2 needs stage 3"),
+        ({"stage": 3, "zero_hpz_partition_size": 3}, 4, r"does not divide the data-parallel world size 4"),
+        (
+            {"stage": 3, "zero_quantized_gradients": True, "zero_quantized_block_size": 255},
+            4,
+            r"zero_quantized_block_size = 255 with int4 gradients: .* blocks must be even",
+        ),
+        ({"stage": 3, "zero_quantized_gradients_bits": 5}, 4, r"must be 4 \(int4\) or 8 \(int8\)"),
+        ({"stage": 3, "zero_quantized_gradients_rounding": "up"}, 4, r"must be one of stochastic, nearest"),
+        ({"stage": 2, "zero_quantized_nontrainable_weights": True}, 4, r"needs stage 3"),
+    ],
+)
+def test_zeropp_settings_that_cannot_work_say_why(zero, world, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"train_batch_size": 4 * world, "zero_optimization": zero}, world_size=world)
+
+
+def test_zeropp_refuses_a_float_communication_dtype_and_the_one_bit_optimizers():
+    zero = {"stage": 2, "zero_quantized_gradients": True}
+    with pytest.raises(ConfigError, match="travel as int4/int8 codes"):
+        load_config({"train_batch_size": 8, "communication_data_type": "fp32", "zero_optimization": zero}, world_size=2)
+    onebit = {"type": "OneBitAdam", "params": {"lr": 1e-3}}
+    with pytest.raises(ConfigError, match="compress their own exchange"):
+        config = {"train_batch_size": 8, "optimizer": onebit, "zero_optimization": {**zero, "stage": 1}}
+        load_config(config, world_size=2)
+
+
+def test_zeropp_settings_that_work_parse():
+    zero = {
+        "stage": 3,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+        "zero_hpz_partition_size": 2,
+        "zero_quantized_gradients_bits": 8,
+        "zero_quantized_block_size": 64,
+        "zero_quantized_gradients_rounding": "nearest",
+    }
+    z = load_config({"train_batch_size": 16, "zero_optimization": zero}, world_size=4).zero_optimization
+    assert (z.zero_quantized_weights, z.zero_quantized_gradients, z.zero_hpz_partition_size) == (True, True, 2)
+    assert (z.zero_quantized_gradients_bits, z.zero_quantized_block_size) == (8, 64)
+    assert z.zero_quantized_gradients_rounding == "nearest"

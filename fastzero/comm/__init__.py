@@ -1,20 +1,40 @@
 """fastzero's communication layer: process-group setup from the launcher's
 environment, recorded asynchronous collectives, the flat bucket layout
 with bucketed reduce-scatter / all-gather that the ZeRO stages use, and
-1-bit Adam's compressed all-reduce; and torch.distributed's functional
+1-bit Adam's compressed all-reduce, ZeRO++'s quantized all-gather and
+reduce-scatter (flat or hierarchical across nodes); and torch.distributed's functional
 surface under DeepSpeed's names (``import fastzero.comm as dist``, as
 ``import deepspeed.comm as dist``: :mod:`fastzero.comm.functional`)."""
 
 from fastzero.comm import functional
-from fastzero.comm.buckets import BufferPool, GradReducer, gather_params
-from fastzero.comm.collectives import Comm, CommEvent, Handle, gloo_twin
+from fastzero.comm.buckets import BufferPool, GradReducer, gather_chunks, gather_params
+from fastzero.comm.collectives import Comm, CommEvent, Handle, cross_node_bytes, gloo_twin, new_groups
 from fastzero.comm.compressed import compressed_allreduce, compressed_reduce_scatter, error_buffers, padded_numel
 from fastzero.comm.env import DistEnv, default_backend, dist_env, init_distributed
 from fastzero.comm.functional import *  # noqa: F403 (the names in functional.__all__)
 from fastzero.comm.layout import Bucket, FlatLayout, Segment
+from fastzero.comm.quantized import (
+    GradQuant,
+    Hierarchy,
+    QuantFormat,
+    QuantizedGather,
+    QuantizedReduceScatter,
+    hierarchy,
+    node_ranks,
+)
 
 __all__ = [
     "Bucket",
+    "GradQuant",
+    "Hierarchy",
+    "QuantFormat",
+    "QuantizedGather",
+    "QuantizedReduceScatter",
+    "gather_chunks",
+    "cross_node_bytes",
+    "hierarchy",
+    "new_groups",
+    "node_ranks",
     "BufferPool",
     "Comm",
     "CommEvent",

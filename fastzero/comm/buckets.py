@@ -25,6 +25,7 @@ from torch import Tensor
 
 from fastzero.comm.collectives import Comm, Handle
 from fastzero.comm.layout import FlatLayout
+from fastzero.comm.quantized import GradQuant, QuantFormat, QuantizedGather, mix_seed
 
 
 class BufferPool:
@@ -78,7 +79,12 @@ class GradReducer:
         pool: BufferPool | None = None,
         comm_dtype: torch.dtype | None = None,
         pre_scale: float = 1.0,
+        quant: GradQuant | None = None,
+        key: int = 0,
     ) -> None:
+        """`quant`: reduce-scatters travel quantized (qgZ, an all-to-all of
+        codes; see fastzero.comm.quantized), `key` telling this reducer's
+        stochastic rounding apart from other reducers'."""
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode {mode!r}: 'all_reduce' or 'reduce_scatter'")
         if mode == "all_reduce" and flat is None:
@@ -90,6 +96,9 @@ class GradReducer:
         self.dtype = (flat if flat is not None else shard).dtype
         self.device = (flat if flat is not None else shard).device
         self.comm_dtype, self.pre_scale = comm_dtype or self.dtype, float(pre_scale)
+        if quant is not None and (mode != "reduce_scatter" or self.comm_dtype != self.dtype):
+            raise ValueError("a quantized reduction is a reduce_scatter whose input is in the gradients' dtype")
+        self.quant, self.key = quant, key
         self.pool = pool or BufferPool(self.comm_dtype, self.device)
         if self.pool.dtype != self.comm_dtype:
             raise ValueError(f"the buffer pool holds {self.pool.dtype}; the reduction is in {self.comm_dtype}")
@@ -187,7 +196,10 @@ class GradReducer:
         else:
             out = self._scratch(b.index)[: b.chunk] if self.flat is None else src.new_empty(b.chunk)
             self.staged[b.index] = (src, out, chunk, self.accumulate)
-        handle = self.comm.reduce_scatter(out, src, self.tag)
+        if self.quant is not None:
+            handle = self.quant.reduce_scatter(self.comm, out, src, self.tag, mix_seed(self.key, b.index))
+        else:
+            handle = self.comm.reduce_scatter(out, src, self.tag)
         if self.flat is None:
             self.pool.in_flight.append((self, b.index))
         return handle
@@ -246,3 +258,12 @@ def gather_params(comm: Comm, layout: FlatLayout, flat: Tensor, tag: str = "para
         lo, hi = b.owned(comm.rank)
         handles.append(comm.all_gather(flat[b.start : b.start + b.size], flat[lo:hi], tag))
     return handles
+
+
+def gather_chunks(comm: Comm, out: Tensor, inp: Tensor, tag: str, fmt: QuantFormat | None = None):
+    """``comm.all_gather(out, inp)``, through `fmt`'s codes when given (qwZ:
+    :class:`~fastzero.comm.quantized.QuantizedGather`) and there are other
+    ranks; either way a handle to wait on."""
+    if fmt is None or comm.world_size == 1:
+        return comm.all_gather(out, inp, tag)
+    return QuantizedGather(comm, out, inp, fmt, tag)

@@ -32,6 +32,7 @@ class CommEvent:
     world_size: int = 1
     waited: float = 0.0  # seconds callers spent blocked in Handle.wait on it
     wait_site: str = ""  # who waited first ("forward:<module>", "step", ...; "wait" unnamed; "" nobody yet)
+    ranks: tuple[int, ...] = ()  # the group's global ranks, in group-rank order (which links the bytes cross)
 
     @property
     def wire_bytes(self) -> float:
@@ -81,22 +82,47 @@ class Handle:
             self._mark()
 
 
+def new_groups(mine: list[list[int]], backend: str | None = None) -> list:
+    """Process groups of the global ranks in each list of `mine` (the groups
+    this rank belongs to), created collectively: every rank of the world
+    calls it, each with its own lists; one all-gather of the lists over the
+    world, then every distinct list is created in the same order everywhere,
+    as ``new_group`` requires. Returns this rank's groups, in `mine`'s order."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [list(m) for m in mine])
+    created = {}
+    for ranks in dict.fromkeys(tuple(m) for lists in everyone for m in lists):
+        created[ranks] = dist.new_group(list(ranks), backend=backend)
+    return [created[tuple(m)] for m in mine]
+
+
 def gloo_twin(group=None):
     """A Gloo group of the same ranks as `group` (None: the world), for
     host-side agreement that must not wait behind device collectives. Every
-    rank calls it: each learns every rank's group (one all-gather of rank
-    lists over the world) and creates each distinct one, in the same order
-    everywhere, as ``new_group`` requires."""
+    rank calls it."""
     if group is None:
         return dist.new_group(backend="gloo")
-    mine = dist.get_process_group_ranks(group)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    twin = None
-    for ranks in dict.fromkeys(map(tuple, everyone)):
-        created = dist.new_group(list(ranks), backend="gloo")
-        twin = created if list(ranks) == mine else twin
-    return twin
+    return new_groups([dist.get_process_group_ranks(group)], backend="gloo")[0]
+
+
+def cross_node_bytes(event: CommEvent, node_of: dict[int, int]) -> float:
+    """Bytes this rank receives from ranks on other nodes for `event`, with
+    the direct algorithm (each piece sent straight from the rank that has it
+    to the rank that needs it; `node_of`: global rank -> node): all-gather,
+    one input from each other-node rank; reduce-scatter and all-to-all, one
+    world-th of the input from each; all-reduce, twice that (reduce-scatter
+    then all-gather); broadcast, the tensor if the root is elsewhere. What a
+    hierarchical collective saves on slow links is counted in these."""
+    ranks = event.ranks or tuple(range(event.world_size))
+    w = len(ranks)
+    if w <= 1:
+        return 0.0
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else ranks[0]
+    others = sum(node_of.get(r) != node_of.get(me) for r in ranks)
+    per_peer = {"all_gather": 1.0, "reduce_scatter": 1 / w, "all_to_all": 1 / w, "all_reduce": 2 / w}
+    if event.op == "broadcast":
+        return float(event.nbytes) * others / max(1, w - 1)
+    return event.nbytes * per_peer[event.op] * others
 
 
 class Comm:
@@ -109,13 +135,14 @@ class Comm:
         self.rank = dist.get_rank(group) if self.distributed else 0
         # the global ranks of the group, in group-rank order
         self.ranks = dist.get_process_group_ranks(group) if self.distributed and group is not None else None
-        self.ranks = self.ranks or list(range(self.world_size))
+        self.ranks = tuple(self.ranks or range(self.world_size))
         nccl = self.distributed and dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.record: deque[CommEvent] = deque(maxlen=record_limit)  # the latest collectives
 
     def _event(self, op: str, tag: str, t: Tensor) -> CommEvent:
-        event = CommEvent(op, tag, t.numel() * t.element_size(), time.perf_counter(), world_size=self.world_size)
+        nbytes = t.numel() * t.element_size()
+        event = CommEvent(op, tag, nbytes, time.perf_counter(), world_size=self.world_size, ranks=self.ranks)
         self.record.append(event)
         return event
 

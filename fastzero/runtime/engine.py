@@ -26,7 +26,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.comm import Comm, dist_env, gloo_twin, init_distributed
+from fastzero.comm import (
+    Comm,
+    GradQuant,
+    QuantFormat,
+    dist_env,
+    gloo_twin,
+    hierarchy,
+    init_distributed,
+    new_groups,
+    node_ranks,
+)
 from fastzero.config import Config, ConfigError, load_config
 from fastzero.ops.norms import sum_of_squares
 from fastzero.parallel import ProcessTopology, Topology, current, data_group, is_tensor_parallel, set_current
@@ -39,7 +49,14 @@ from fastzero.runtime.monitor import Monitor
 from fastzero.runtime.onebit_base import OneBitBase
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
-from fastzero.runtime.stage3 import ParamFetcher, Stage3Group, external_params, is_partitioned, refresh_persistent
+from fastzero.runtime.stage3 import (
+    ParamFetcher,
+    Stage3Group,
+    ZeroPP,
+    external_params,
+    is_partitioned,
+    refresh_persistent,
+)
 
 
 class NonFiniteGradients(FloatingPointError):
@@ -159,6 +176,7 @@ class Engine(torch.nn.Module):
         pre = 1.0 if world == 1 else 1.0 / world if cfg.prescale_gradients else 1.0 / cfg.gradient_predivide_factor
         self._post_divide = world * pre
         reduction = dict(comm_dtype=_COMM_DTYPES.get(cfg.communication_data_type), pre_scale=pre)
+        self.zeropp = self._zeropp(zero)
         self.groups: list[ZeroGroup]
         if self.stage == 3:
             threshold = zero.stage3_param_persistence_threshold
@@ -171,6 +189,7 @@ class Engine(torch.nn.Module):
                     persistence_threshold=threshold,
                     offload=offload.device == "cpu",
                     pin_memory=offload.pin_memory,
+                    zeropp=self.zeropp,
                     **reduction,
                 )
                 for g in groups
@@ -193,9 +212,12 @@ class Engine(torch.nn.Module):
                     bucket_size=bucket,
                     overlap=overlap,
                     reduce_once=self._pipelined,  # stage 2: once per step, after the last micro-batch
+                    weight_quant=self.zeropp.weights,
+                    grad_quant=self.zeropp.grads,
+                    key=k,
                     **reduction,
                 )
-                for g in groups
+                for k, g in enumerate(groups)
             ]
             self.fetcher = None
         self.optimizer = build_optimizer(
@@ -297,6 +319,44 @@ class Engine(torch.nn.Module):
         if self._params_in_flight:
             for g in self.groups:
                 g.wait_gather(site=site)
+
+    def _zeropp(self, zero) -> ZeroPP:
+        """ZeRO++'s parts that are on (docs/zeropp.md), over the data-parallel
+        group; with one data-parallel rank there is nothing to send, so
+        nothing is quantized. Makes the process groups qgZ's hierarchy and
+        hpZ need: every rank of the world calls it."""
+        if self.comm.world_size == 1:
+            return ZeroPP()
+        block = zero.zero_quantized_block_size
+        weights = QuantFormat(8, block) if zero.zero_quantized_weights else None
+        grads = None
+        if zero.zero_quantized_gradients:
+            stochastic = zero.zero_quantized_gradients_rounding == "stochastic"
+            fmt = QuantFormat(zero.zero_quantized_gradients_bits, block, stochastic)
+            grads = GradQuant(fmt, hierarchy(self.comm, node_ranks(self.comm)))
+        hpz, size = None, zero.zero_hpz_partition_size
+        if size > 1 and size < self.comm.world_size:
+            first = self.comm.rank // size * size
+            hpz = Comm(new_groups([list(self.comm.ranks[first : first + size])])[0])
+        return ZeroPP(weights, grads, hpz)
+
+    def comms(self) -> list[Comm]:
+        """Every group this engine communicates over, each once: the
+        data-parallel one, the world's (checkpoints), the tensor and pipe
+        groups, and ZeRO++'s (qgZ's node and cross-node groups, hpZ's). Their
+        records hold every collective the engine launched, with its bytes."""
+        out = [self.comm, self.world_comm, self.tensor_comm, self.pipe_comm, *self.zeropp.comms()]
+        return list({id(c): c for c in out if c is not None}.values())
+
+    def _exact_weights(self) -> None:
+        """Stages 1-2 with qwZ: the params (every rank's dequantized codes)
+        gathered again from the exact shards, for a reader of the weights;
+        the next step's gather makes them codes again. Stage 3 does the same
+        in its own gathers for readers."""
+        if self.stage in (1, 2) and self.zeropp.weights is not None:
+            for g in self.groups:
+                g.gather(exact=True)
+                g.wait_gather(site="exact")
 
     def _split_groups(self, groups: list[dict]) -> list[dict]:
         """The param groups the engine shards, from the optimizer's (the
@@ -411,6 +471,8 @@ class Engine(torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         first, self._grads_fresh = self._grads_fresh, False  # a second backward before step() accumulates
         reduce = boundary and not self._compressing()  # past 1-bit Adam's freeze_step, grads stay local
+        if self.zeropp.grads is not None:  # qgZ's stochastic rounding is keyed by the micro step (resumes exactly)
+            self.zeropp.grads.round = self.micro_steps
         for group in self.groups:
             group.begin_backward(first, reduce)
         if self.fetcher is not None:
@@ -661,6 +723,7 @@ class Engine(torch.nn.Module):
         DeepSpeed's ``zero.GatheredParameters`` for the whole model. Nests:
         the outermost block gathers and releases."""
         self.wait_params("gathered")
+        self._exact_weights()
         if self.fetcher is None or self._gather_depth:
             self._gather_depth += 1
             try:
@@ -668,12 +731,13 @@ class Engine(torch.nn.Module):
             finally:
                 self._gather_depth -= 1
             return
-        self.fetcher.gather_all()
+        held = self.fetcher.gather_all()
         self._gather_depth = 1
         try:
             yield self.module
         finally:
             self._gather_depth = 0
+            self.fetcher.unhold(*held)
             self.fetcher.end_backward()
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
@@ -683,6 +747,7 @@ class Engine(torch.nn.Module):
         dict holds copies of the whole tensors."""
         self.wait_params("state_dict")
         if self.fetcher is None:
+            self._exact_weights()
             return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         with self.gathered() as module:
             state = module.state_dict(prefix=prefix)

@@ -36,7 +36,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastzero.comm import Comm, FlatLayout, GradReducer, Handle, compressed_reduce_scatter
+from fastzero.comm import (
+    Comm,
+    FlatLayout,
+    GradQuant,
+    GradReducer,
+    Handle,
+    QuantFormat,
+    compressed_reduce_scatter,
+    gather_chunks,
+)
 from fastzero.runtime.groups import CompressingGroup, Piece
 
 
@@ -53,10 +62,16 @@ class FlatGroup(CompressingGroup):
         comm_dtype: torch.dtype | None = None,
         pre_scale: float = 1.0,
         reduce_once: bool = False,
+        weight_quant: QuantFormat | None = None,
+        grad_quant: GradQuant | None = None,
+        key: int = 0,
     ) -> None:
         """`comm_dtype` and `pre_scale`: the gradient reduction's (see
         fastzero.comm.buckets); `reduce_once`: stage 2 reduces on the
-        boundary backward only (module docstring)."""
+        boundary backward only (module docstring). ZeRO++ (stages 1-2):
+        `weight_quant`, the post-step all-gather in int8 codes (qwZ);
+        `grad_quant`, the reduce-scatter as an all-to-all of codes (qgZ),
+        `key` telling this group's stochastic rounding from other groups'."""
         self.params, self.names, self.stage, self.comm = params, names, stage, comm
         self.reduce_once = reduce_once and stage == 2
         self.shapes = [p.shape for p in params]
@@ -84,12 +99,23 @@ class FlatGroup(CompressingGroup):
             overlap=overlap,
             comm_dtype=comm_dtype,
             pre_scale=pre_scale,
+            quant=grad_quant if stage >= 1 else None,
+            key=key,
         )
         self._compress_error: Tensor | None = None  # 1-bit Adam at stage 1: this rank's worker error, rank-major
         self._reduced = False  # the gradients hold a reduction since they were zeroed
         self._carry: Tensor | None = None  # stage 0, a second backward: the sum reduced by the first
         self._gathering: dict[int, Handle] = {}  # the post-step all-gathers still in flight, by bucket
         self._suspect: set[int] = set()  # params whose bucket landed only at backward (module docstring)
+        # qwZ: every rank's params become the dequantized codes, its own chunks too (the ranks' replicas stay
+        # equal), so what the optimizer updates is a shard of its own, `own`, exact; gathered() brings it back
+        self.weight_quant = weight_quant if stage >= 1 else None
+        self.own: Tensor | None = None
+        if self.weight_quant is not None:
+            self.own = torch.empty(self.layout.shard_size, dtype=self.dtype, device=self.device)
+            for b in self.layout.buckets:
+                lo, hi = b.owned(self.rank)
+                self.own[b.shard_start : b.shard_start + b.chunk].copy_(self.flat[lo:hi])
         self.attach_grads()
 
     def _view(self, flat: Tensor, i: int) -> Tensor:
@@ -168,6 +194,8 @@ class FlatGroup(CompressingGroup):
         nbytes = lambda t: t.numel() * t.element_size()
         grads = self.flat_grad if self.flat_grad is not None else self.grad_shard
         out = dict(params=nbytes(self.flat), grads=nbytes(grads), grad_buckets=self.reducer.buffer_bytes())
+        if self.own is not None:  # qwZ: the exact shard the optimizer updates
+            out["params"] += nbytes(self.own)
         if self._compress_error is not None:
             out["compression_errors"] = nbytes(self._compress_error)
         return out
@@ -180,7 +208,7 @@ class FlatGroup(CompressingGroup):
         out = []
         for b in self.layout.buckets:
             lo, hi = b.owned(self.rank)
-            chunk = self.flat[lo:hi]
+            chunk = self.flat[lo:hi] if self.own is None else self.own[b.shard_start : b.shard_start + b.chunk]
             chunk.grad = self.grad_shard[b.shard_start : b.shard_start + b.chunk]
             out.append(chunk)
         return out
@@ -227,19 +255,23 @@ class FlatGroup(CompressingGroup):
             self.flat_grad.zero_()
         self._reduced = False
 
-    def gather(self) -> list[Handle]:
+    def gather(self, exact: bool = False) -> list[Handle]:
         """Stages 1-2, after the step: every bucket's all-gather launched and
-        kept (wait with :meth:`wait_gather`); also returned."""
+        kept (wait with :meth:`wait_gather`); also returned. With qwZ the
+        buckets travel as int8 codes, unless `exact` (the exact shards, for
+        a reader of the weights: ``engine.gathered()``)."""
         if self.stage == 0:
             return []
         self.wait_gather(site="gather")  # never two all-gathers writing one bucket
         # last bucket first: the layout is in backward's order, so it holds the params the forward reads first,
         # and the collectives run in launch order
         self._gathering = {}
+        fmt = None if exact else self.weight_quant
         for b in reversed(self.layout.buckets):
             lo, hi = b.owned(self.rank)
-            self._gathering[b.index] = self.comm.all_gather(
-                self.flat[b.start : b.start + b.size], self.flat[lo:hi], "param"
+            mine = self.flat[lo:hi] if self.own is None else self.own[b.shard_start : b.shard_start + b.chunk]
+            self._gathering[b.index] = gather_chunks(
+                self.comm, self.flat[b.start : b.start + b.size], mine, "param", fmt
             )
         self._suspect = set()
         return list(self._gathering.values())

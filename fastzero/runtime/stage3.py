@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import re
 import time
+import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fastzero.comm import BufferPool, Comm, FlatLayout, GradReducer, Handle
+from fastzero.comm import BufferPool, Comm, FlatLayout, GradQuant, GradReducer, Handle, QuantFormat, gather_chunks
 from fastzero.runtime.groups import Piece, ZeroGroup
 
 WHOLE = 1 << 62  # one bucket per param
@@ -53,6 +55,22 @@ class Stage3Divergence(RuntimeError):
 
 def released_like(p: Tensor) -> Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+@dataclass(frozen=True)
+class ZeroPP:
+    """ZeRO++ at stage 3: `weights` (qwZ: gathers in int8 codes), `grads`
+    (qgZ: the reduce-scatter as an all-to-all of codes), `hpz` (hpZ: the
+    group of ranks a param's secondary pieces are spread over); None: off."""
+
+    weights: QuantFormat | None = None
+    grads: GradQuant | None = None
+    hpz: Comm | None = None
+
+    def comms(self) -> list[Comm]:
+        """The groups of their own these parts communicate over."""
+        h = self.grads.hierarchy if self.grads is not None else None
+        return [c for c in (self.hpz, h and h.intra, h and h.inter) if c is not None]
 
 
 class Unit:
@@ -70,33 +88,63 @@ class Unit:
         pool: BufferPool,
         persistent: bool,
         pre_scale: float = 1.0,
+        zeropp: ZeroPP | None = None,
     ) -> None:
         self.param, self.name, self.shape, self.comm = param, name, shape, comm
         self.device = grad_shard.device  # where the whole param lives (the shard may be offloaded to the CPU)
         self.layout = FlatLayout([shape.numel()], comm.world_size, WHOLE)
         self.numel = self.layout.total  # elements while gathered (padded)
         self.shard, self.grad_shard, self.persistent = shard, grad_shard, persistent
+        zeropp = zeropp or ZeroPP()
         self.reducer = GradReducer(
-            comm, self.layout, "reduce_scatter", shard=grad_shard, pool=pool, comm_dtype=pool.dtype, pre_scale=pre_scale
+            comm,
+            self.layout,
+            "reduce_scatter",
+            shard=grad_shard,
+            pool=pool,
+            comm_dtype=pool.dtype,
+            pre_scale=pre_scale,
+            quant=zeropp.grads,
+            key=zlib.crc32(name.encode()),
         )
+        # qwZ: gathers for a forward or backward travel as int8 codes (persistent units are refreshed exactly)
+        self.weight_quant = None if persistent else zeropp.weights
+        # hpZ: this rank's piece of the param over its group, kept when the step's first gather is released, so
+        # that the step's later gathers stay inside the group
+        self.hpz = None if persistent else zeropp.hpz
+        self.secondary: Tensor | None = None
+        self.secondary_valid = False
         self.full: Tensor | None = None
         self.handle = None
+        self._fill_secondary = False
+        self.exact = True  # `full` holds the shards' values bit for bit (not dequantized codes)
         self.refs = 0  # forwards running that use it
 
     @property
     def gathered(self) -> bool:
         return self.full is not None
 
-    def start_gather(self) -> None:
+    def start_gather(self, exact: bool = False) -> None:
+        """Launches the gather into `full` (see :meth:`refresh`), if not whole already."""
         if self.full is None:
             self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.device)
-            self.handle = self.refresh()
+            self.handle = self.refresh(exact)
 
-    def refresh(self):
-        """All-gathers every rank's chunk into `full` (an offloaded chunk
-        travels to the device first)."""
+    def refresh(self, exact: bool = False):
+        """Gathers the param into `full`: from the hpZ group's pieces when
+        they hold this step's values, else from every rank's chunk (an
+        offloaded chunk travels to the device first), as int8 codes with qwZ
+        unless `exact` (the shards bit for bit: for readers of the weights,
+        never the secondary pieces)."""
+        tag = f"param:{self.name}"
+        if not exact and self.hpz is not None and self.secondary_valid:
+            self.exact = self.weight_quant is None  # the pieces hold what the step's first gather brought
+            return self.hpz.all_gather(self.full, self.secondary, tag)
         src = self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
-        return self.comm.all_gather(self.full, src, f"param:{self.name}")
+        fmt = None if exact else self.weight_quant
+        self.exact = fmt is None or self.comm.world_size == 1
+        self._fill_secondary = not exact and self.hpz is not None
+        return gather_chunks(self.comm, self.full, src, tag, fmt)
 
     def wait(self) -> None:
         if self.handle is not None:
@@ -104,9 +152,20 @@ class Unit:
             self.handle = None
             self.param.data = self.full[: self.shape.numel()].view(self.shape)
 
+    def invalidate(self) -> None:
+        """The shards changed (a step, a load): the hpZ pieces are stale."""
+        self.secondary_valid = self._fill_secondary = False
+
     def release(self) -> None:
         if self.full is not None and not self.persistent:
             self.wait()  # never drop a buffer a collective still writes
+            if self._fill_secondary:  # hpZ: keep this rank's piece of what the step's first gather brought
+                self._fill_secondary = False
+                size = self.numel // self.hpz.world_size
+                if self.secondary is None:
+                    self.secondary = torch.empty(size, dtype=self.full.dtype, device=self.device)
+                self.secondary.copy_(self.full[self.hpz.rank * size : (self.hpz.rank + 1) * size])
+                self.secondary_valid = True
             self.param.data = released_like(self.param)
             self.full = None
 
@@ -126,9 +185,10 @@ class Stage3Group(ZeroGroup):
         pin_memory: bool = False,
         comm_dtype: torch.dtype | None = None,
         pre_scale: float = 1.0,
+        zeropp: ZeroPP | None = None,
     ) -> None:
         """`comm_dtype` and `pre_scale`: the gradient reduction's (see
-        fastzero.comm.buckets)."""
+        fastzero.comm.buckets); `zeropp`: qwZ, qgZ and hpZ (:class:`ZeroPP`)."""
         self.params, self.names, self.comm, self.stage = params, names, comm, 3
         self.shapes = [logical_shape(p) for p in params]
         self.dtype, self.device = params[0].dtype, params[0].device
@@ -153,6 +213,7 @@ class Stage3Group(ZeroGroup):
                 self.pool,
                 persistent=shape.numel() < persistence_threshold,
                 pre_scale=pre_scale,
+                zeropp=zeropp,
             )
             offset += size
             self._partition(unit, lay)
@@ -163,10 +224,10 @@ class Stage3Group(ZeroGroup):
         p = unit.param
         pre = take_init_shard(p)  # partitioned at construction by fastzero.zero.Init
         ranks = p.__dict__.pop("_fz_init_ranks", None)
-        if pre is not None and ranks is not None and list(ranks) != self.comm.ranks:
+        if pre is not None and ranks is not None and list(ranks) != list(self.comm.ranks):
             raise ValueError(
                 f"{unit.name} was partitioned by fastzero.zero.Init over ranks {list(ranks)}, but the engine "
-                f"partitions over its data-parallel group, ranks {self.comm.ranks}: build the model under "
+                f"partitions over its data-parallel group, ranks {list(self.comm.ranks)}: build the model under "
                 "zero.Init over the same group (make the topology current first, or pass Init(mpu=...) or "
                 "data_parallel_group=)"
             )
@@ -220,6 +281,16 @@ class Stage3Group(ZeroGroup):
         chunk (:func:`refresh_persistent`); the others are gathered when next used."""
         return refresh_persistent([self])
 
+    def invalidate(self) -> None:
+        """The shards changed (the step, a checkpoint load, a reload): what
+        was kept of the old values (hpZ's secondary pieces) is stale."""
+        for u in self.units:
+            u.invalidate()
+
+    def pieces_in(self, optimizer, opt_params, saved, keys=None) -> None:
+        super().pieces_in(optimizer, opt_params, saved, keys)
+        self.invalidate()
+
     def owned(self, opt_params: list[Tensor]) -> list[Piece]:
         """Each unit's chunk (one optimizer tensor per unit)."""
         return [
@@ -235,6 +306,7 @@ class Stage3Group(ZeroGroup):
         a unit that stays gathered (persistent, or held) gets the values in
         its whole buffer too, which its param views again."""
         super().reload_from_params(optimizer, opt_params, params)
+        self.invalidate()
         by_param = {id(u.param): u for u in self.units}
         with torch.no_grad():
             for p in params:
@@ -255,6 +327,9 @@ class Stage3Group(ZeroGroup):
         nbytes = lambda t: t.numel() * t.element_size()
         held = sum(nbytes(u.full) for u in self.units if u.full is not None)
         out = dict(params=held, grads=nbytes(self.grad_shard), grad_buckets=self.pool.nbytes())
+        secondary = sum(nbytes(u.secondary) for u in self.units if u.secondary is not None)
+        if secondary:  # hpZ's pieces, each a 1/group-size slice of its param
+            out["hpz_params"] = secondary
         if self.offload:
             out["offload_params"] = nbytes(self.shard)
         else:
@@ -287,11 +362,13 @@ class PersistentRefresh:
 
 
 def refresh_persistent(groups: list[Stage3Group]) -> list[PersistentRefresh]:
-    """After the step: every persistent unit of `groups` refreshed by one
-    all-gather per (dtype, device) over all of them, tagged
-    ``param:persistent``. Wait on what it returns."""
+    """After the step (or a load): what was kept of the old shards is
+    dropped (:meth:`Stage3Group.invalidate`), and every persistent unit of
+    `groups` is refreshed by one all-gather per (dtype, device) over all of
+    them, tagged ``param:persistent``. Wait on what it returns."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[Unit]] = {}
     for g in groups:
+        g.invalidate()
         for u in g.units:
             if u.persistent:
                 u.wait()  # its whole buffer is written below
@@ -518,12 +595,24 @@ class ParamFetcher:
         units = [self.unit_of[id(p)] for p in params]
         fresh = [u for u in units if not u.gathered]
         for u in fresh:
-            u.start_gather()
+            u.start_gather(exact=True)
             self._count(u.numel)
+        self._make_exact(units)
         for u in units:
             u.wait()
             u.refs += 1
         return units, fresh
+
+    def _make_exact(self, units: list[Unit]) -> None:
+        """Units whole with dequantized codes (qwZ) gathered again bit for
+        bit from the shards, so a reader of the weights gets them exactly;
+        one a running forward uses keeps what that forward computes with."""
+        stale = [u for u in units if u.gathered and not u.exact and u.refs == 0]
+        for u in stale:
+            u.wait()
+            u.handle = u.refresh(exact=True)
+        for u in stale:
+            u.wait()
 
     def unhold(self, units: list[Unit], fresh: list[Unit], discard: list[Unit] = ()) -> None:
         """Ends a :meth:`hold`: the units it gathered are released unless a
@@ -537,13 +626,15 @@ class ParamFetcher:
         kept = [u for u in discard if u.gathered]
         for u in kept:
             u.wait()
-            u.handle = u.refresh()
+            u.handle = u.refresh(exact=True)
         for u in kept:
             u.wait()
 
-    def gather_all(self) -> None:
-        """Every param whole (for saving the 16-bit model); release with end_backward()."""
-        self._fetch([u for u in self.unit_of.values() if not u.persistent])
+    def gather_all(self) -> tuple[list[Unit], list[Unit]]:
+        """Every param whole and exact, held (a forward inside does not
+        release them) for reading or saving the weights (``engine.gathered()``);
+        end with :meth:`unhold` of what it returns, then :meth:`end_backward`."""
+        return self.hold([u.param for u in self.unit_of.values() if not u.persistent])
 
 
 # -- the marks on the user's params and modules ----------------------------------------------
