@@ -42,9 +42,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker: str, spec: dict, world: int, timeout: float) -> dict:
+def run_ranks(worker: str, spec: dict, world: int, timeout: float, local_world: int | None = None) -> dict:
     """Runs the module `worker` of this package (argv[1]: the JSON spec, plus ``out``, where rank 0
-    writes its JSON result) as `world` processes; returns that result.
+    writes its JSON result) as `world` processes; returns that result. `local_world`: ranks per simulated
+    node (LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK as torchrun sets them on each node).
     Raises JobFailed with the failing rank's log tail."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = dict(spec, out=os.path.join(tmp, "result.json"))
@@ -52,10 +53,13 @@ def run_ranks(worker: str, spec: dict, world: int, timeout: float) -> dict:
         logs = [Path(tmp, f"rank{rank}.log") for rank in range(world)]
         procs = []
         for rank, log in enumerate(logs):
+            local = local_world or world
             env = worker_env(
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
+                LOCAL_RANK=str(rank % local),
+                LOCAL_WORLD_SIZE=str(local),
+                GROUP_RANK=str(rank // local),
                 MASTER_PORT=port,
                 MASTER_ADDR="127.0.0.1",
                 OMP_NUM_THREADS="1",

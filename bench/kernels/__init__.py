@@ -23,6 +23,7 @@ KERNELS = {
     "quant": ".quant:QUANT",
     "tp": ".tp:FAMILY",
     "pipeline": ".pipeline:FAMILY",
+    "zeropp": ".zeropp:FAMILY",
 }
 
 
