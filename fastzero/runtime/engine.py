@@ -50,6 +50,7 @@ from fastzero.runtime.onebit_base import OneBitBase
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
 from fastzero.runtime.stage3 import (
+    FrozenUnit,
     ParamFetcher,
     Stage3Group,
     ZeroPP,
@@ -201,6 +202,7 @@ class Engine(torch.nn.Module):
                 max_live=zero.stage3_max_live_parameters,
                 max_reuse=zero.stage3_max_reuse_distance,
                 check=self._order_check() if zero.stage3_check_divergence else None,
+                frozen=self._frozen_codes(zero),
             )
         else:
             self.groups = [
@@ -347,6 +349,34 @@ class Engine(torch.nn.Module):
         records hold every collective the engine launched, with its bytes."""
         out = [self.comm, self.world_comm, self.tensor_comm, self.pipe_comm, *self.zeropp.comms()]
         return list({id(c): c for c in out if c is not None}.values())
+
+    def _frozen_codes(self, zero) -> list[FrozenUnit]:
+        """``zero_quantized_nontrainable_weights``: stage 3's frozen floating
+        params (those at least ``stage3_param_persistence_threshold``
+        elements: smaller ones stay as they are, as small trained ones stay
+        whole) kept as int8 codes, dequantized for the modules that use them."""
+        if not zero.zero_quantized_nontrainable_weights:
+            return []
+        fmt = QuantFormat(8, zero.zero_quantized_block_size)
+        return [
+            FrozenUnit(p, name, fmt)
+            for name, p in self.module.named_parameters()
+            if not p.requires_grad and p.is_floating_point() and p.numel() >= zero.stage3_param_persistence_threshold
+        ]
+
+    @contextlib.contextmanager
+    def _frozen_whole(self):
+        """Frozen params kept as codes are whole (dequantized) inside: for
+        checkpoints, which save and load them as plain tensors."""
+        frozen = [] if self.fetcher is None else [u.param for u in self.fetcher.frozen]
+        if not frozen:
+            yield
+            return
+        held = self.fetcher.hold(frozen)
+        try:
+            yield
+        finally:
+            self.fetcher.unhold(*held)
 
     def _exact_weights(self) -> None:
         """Stages 1-2 with qwZ: the params (every rank's dequantized codes)
@@ -714,6 +744,9 @@ class Engine(torch.nn.Module):
         masters = getattr(self.optimizer, "master_bytes", None)
         if masters is not None and offloaded is None:  # a client optimizer: its masters are not in its state
             out["master"] += masters()
+        frozen = [] if self.fetcher is None else self.fetcher.frozen
+        if frozen:  # zero_quantized_nontrainable_weights: the codes, and any frozen param dequantized now
+            out["frozen_codes"] = sum(u.packed.numel() + (0 if u.full is None else nbytes(u.full)) for u in frozen)
         return out
 
     @contextlib.contextmanager
@@ -822,7 +855,8 @@ class Engine(torch.nn.Module):
         from fastzero.runtime.checkpoint_io import save_checkpoint
 
         self.wait_params("save_checkpoint")
-        return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
+        with self._frozen_whole():
+            return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,
@@ -844,15 +878,16 @@ class Engine(torch.nn.Module):
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: leave it None")
         self.wait_params("load_checkpoint")  # an all-gather in flight would overwrite what is loaded
-        return load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_strict,
-            load_module_only,
-        )
+        with self._frozen_whole():
+            return load_checkpoint(
+                self,
+                load_dir,
+                tag,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_strict,
+                load_module_only,
+            )
 
     def _refuse_tensor_parallel(self, what: str) -> None:
         # each tensor rank (pipeline stage) holds its own pieces (layers): one file would need them gathered

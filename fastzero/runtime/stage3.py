@@ -57,6 +57,57 @@ def released_like(p: Tensor) -> Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
 
 
+class FrozenUnit:
+    """A frozen param kept as int8 codes (``zero_quantized_nontrainable_weights``):
+    whole on every rank, not partitioned, its values the codes' from then on.
+    The fetcher treats it as a :class:`Unit` whose gather is a local
+    dequantization into `full` and whose release drops `full`; a write to
+    `full` while it is whole (``load_state_dict``, ``GatheredParameters``: torch
+    bumps its version counter) is quantized back at release."""
+
+    persistent = False
+    exact = True  # no finer values exist than the codes
+    handle = None
+
+    def __init__(self, param: Tensor, name: str, fmt: QuantFormat) -> None:
+        self.param, self.name, self.shape, self.fmt = param, name, param.shape, fmt
+        self.numel = param.numel()
+        self.packed = torch.empty(fmt.packed_bytes(self.numel), dtype=torch.uint8, device=param.device)
+        fmt.pack(param.detach().reshape(-1), self.packed)
+        self.full: Tensor | None = None
+        self.refs, self._version = 0, 0
+        param.data = released_like(param)
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None
+
+    def start_gather(self, exact: bool = False) -> None:
+        if self.full is None:
+            self.full = torch.empty(self.numel, dtype=self.param.dtype, device=self.param.device)
+            self.refresh()
+
+    def refresh(self, exact: bool = False) -> None:
+        self.fmt.dequantize(self.packed, self.full)
+        self._version = self.full._version
+        return None  # nothing in flight
+
+    def wait(self) -> None:
+        if self.full is not None:
+            self.param.data = self.full.view(self.shape)
+
+    def release(self) -> None:
+        if self.full is None:
+            return
+        if self.full._version != self._version:  # written while whole: keep the edit, as codes
+            self.fmt.pack(self.full, self.packed)
+        self.param.data = released_like(self.param)
+        self.full = None
+
+    def invalidate(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class ZeroPP:
     """ZeRO++ at stage 3: `weights` (qwZ: gathers in int8 codes), `grads`
@@ -395,13 +446,18 @@ class ParamFetcher:
         max_live: int,
         max_reuse: int,
         check: Comm | None = None,
+        frozen: list[FrozenUnit] = (),
     ) -> None:
+        """`frozen`: frozen params kept as codes, gathered (dequantized) and
+        released as the partitioned ones are."""
         self.prefetch_elements, self.max_live, self.max_reuse = prefetch_elements, max_live, max_reuse
         self.root = module
         # ranks must gather the same params in the same order: `check` (a host-side group) agrees on each forward
         self.check = check if check is not None and check.world_size > 1 else None
         self.index = {m: i for i, m in enumerate(module.modules())}
         self.unit_of = {id(u.param): u for g in groups for u in g.units}
+        self.frozen = list(frozen)
+        self.unit_of.update({id(u.param): u for u in self.frozen})
         for g in groups:
             g.on_released = self._released
         self.needs: dict[torch.nn.Module, list[Unit]] = {}

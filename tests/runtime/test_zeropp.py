@@ -151,3 +151,32 @@ def test_200_steps_end_within_one_percent_of_unquantized_stage3(tmp_path):
     assert b < 0.6 * base["losses"][0]  # it learned: 4.32 -> 2.35 here
     for zero, res in zip(zeros[1:], quantized):
         assert abs(res["eval_loss"] - b) <= 0.01 * b, (zero, res["eval_loss"], b)
+
+
+def test_frozen_params_kept_as_int8_codes(tmp_path):
+    """zero_quantized_nontrainable_weights: the frozen MLP weights of a
+    LoRA-style run are held as int8 codes (about half their bf16 bytes),
+    training tracks the run that keeps them whole, and checkpoints save and
+    load them whole: a resume is bit for bit, state_dict() has them whole."""
+    frozen = ["up.weight", "down.weight"]
+    codes = dict(zero_quantized_nontrainable_weights=True)
+    ckpt = str(tmp_path / "ckpt")
+    runs = [
+        dict(stage=3, dtype="bf16", steps=6, freeze=frozen),
+        dict(stage=3, dtype="bf16", steps=6, freeze=frozen, zero=codes, save_at=3, save=ckpt),
+        dict(stage=3, dtype="bf16", steps=6, freeze=frozen, zero=codes, start=3, load=ckpt),
+    ]
+    whole, quantized, resumed = train(tmp_path, runs)
+    names = [n for n in whole[0]["params"] if any(f in n for f in frozen)]
+    bf16_bytes = 2 * sum(whole[0]["params"][n].numel() for n in names)
+    for q, w, r in zip(quantized, whole, resumed):
+        assert "frozen_codes" not in w["memory"]
+        assert 0.5 * bf16_bytes < q["memory"]["frozen_codes"] <= 0.52 * bf16_bytes
+        assert abs(q["eval_loss"] - w["eval_loss"]) < 0.01 * w["eval_loss"]
+        for n in names:
+            # the frozen values are the codes' (close to the originals, never updated), whole in state_dict()
+            assert torch.equal(q["params"][n], q["state_dict"][n])
+            assert (q["params"][n] - w["params"][n]).abs().max() < 0.02 * w["params"][n].abs().max()
+        assert q["losses"][-3:] == r["losses"]
+        for n, p in q["params"].items():
+            assert torch.equal(p, r["params"][n]), n

@@ -71,6 +71,8 @@ def step_record(engine, node_of, backward_start: float) -> list[dict]:
 
 def train(run: dict) -> None:
     model = make_model(run.get("hidden", 64), run.get("layers", 2))
+    for name, p in model.named_parameters():  # "freeze": names containing any of these train no more (LoRA-like)
+        p.requires_grad_(not any(part in name for part in run.get("freeze", ())))
     engine, *_ = fastzero.initialize(model=model, config=config(run))
     rank, world, gas = engine.comm.rank, engine.comm.world_size, engine.gradient_accumulation_steps()
     node_of = {r: k for k, ranks in enumerate(node_ranks(engine.comm)) for r in ranks}
@@ -110,6 +112,7 @@ def train(run: dict) -> None:
             record=record,
             skipped=engine.skipped_steps,
             nodes=node_of,
+            state_dict={k: v.float() for k, v in engine.state_dict().items()},
         ),
         f"{run['out']}.rank{rank}.pt",
     )
