@@ -161,6 +161,9 @@ class GatheredParameters:
             got, gathered = fetcher.hold(params)
             units += got
             fresh += gathered
+        # stages 1-2 with qwZ: the params hold dequantized codes after a step; the block sees the exact ones
+        for engine in {id(e): e for p, k in zip(self.params, self.kinds) if k == PLAIN and (e := owner_of(p))}.values():
+            engine.exact_params()
         try:
             self._gather_init([p for p, k in zip(self.params, self.kinds) if k == INIT and id(p) not in _DEPTH])
         except BaseException:

@@ -378,11 +378,13 @@ class Engine(torch.nn.Module):
         finally:
             self.fetcher.unhold(*held)
 
-    def _exact_weights(self) -> None:
-        """Stages 1-2 with qwZ: the params (every rank's dequantized codes)
-        gathered again from the exact shards, for a reader of the weights;
-        the next step's gather makes them codes again. Stage 3 does the same
-        in its own gathers for readers."""
+    def exact_params(self) -> None:
+        """Stages 1-2 with qwZ (``zero_quantized_weights``): the params, every
+        rank's dequantized codes after a step, gathered again from the exact
+        shards (a collective: every rank calls it), for a reader of the
+        weights; the next step's gather makes them codes again. ``gathered()``,
+        ``state_dict()`` and ``GatheredParameters`` call it; stage 3's gathers
+        for readers are exact anyway. A no-op otherwise."""
         if self.stage in (1, 2) and self.zeropp.weights is not None:
             for g in self.groups:
                 g.gather(exact=True)
@@ -756,7 +758,7 @@ class Engine(torch.nn.Module):
         DeepSpeed's ``zero.GatheredParameters`` for the whole model. Nests:
         the outermost block gathers and releases."""
         self.wait_params("gathered")
-        self._exact_weights()
+        self.exact_params()
         if self.fetcher is None or self._gather_depth:
             self._gather_depth += 1
             try:
@@ -780,7 +782,7 @@ class Engine(torch.nn.Module):
         dict holds copies of the whole tensors."""
         self.wait_params("state_dict")
         if self.fetcher is None:
-            self._exact_weights()
+            self.exact_params()
             return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         with self.gathered() as module:
             state = module.state_dict(prefix=prefix)

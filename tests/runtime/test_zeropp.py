@@ -85,13 +85,16 @@ def test_each_part_and_all_three_track_unquantized_training(tmp_path):
         parts = [{}, QWZ, QGZ, ALL] if stage == 3 else [{}, {**QWZ, **QGZ}]
         for zero in parts:
             runs.append(dict(stage=stage, dtype=dtype, gas=gas, steps=12, zero=zero, save_at=12))
+    # the average's factors before the quantized sum
+    runs.append(dict(stage=3, steps=12, zero=ALL, save_at=12, top=dict(prescale_gradients=True)))
+    runs.append(dict(stage=2, gas=2, steps=12, zero=QGZ, save_at=12, top=dict(gradient_predivide_factor=2.0)))
     for i, run in enumerate(runs):
         run["save"] = str(tmp_path / f"ckpt{i}")
     results = train(tmp_path, runs)
-    base = None
+    key = lambda run: (run["stage"], run.get("dtype", "fp32"), run.get("gas", 1))
+    bases = {key(run): ranks[0]["eval_loss"] for run, ranks in zip(runs, results) if not run["zero"]}
     for run, ranks in zip(runs, results):
-        if not run["zero"]:
-            base = ranks[0]["eval_loss"]
+        base = bases[key(run)]
         for res in ranks[1:]:
             for name, p in ranks[0]["params"].items():
                 assert torch.equal(p, res["params"][name]), (run, name)
@@ -99,8 +102,9 @@ def test_each_part_and_all_three_track_unquantized_training(tmp_path):
         assert abs(ranks[0]["eval_loss"] - base) < 0.02 * base, (run, ranks[0]["eval_loss"], base)
         masters = consolidate(run["save"])
         for name, p in ranks[0]["params"].items():
+            assert torch.equal(p, ranks[0]["seen_in_gathered_parameters"][name]), (run, name)
             want = masters[name].float()
-            if run["dtype"] == "fp32":
+            if run.get("dtype", "fp32") == "fp32":
                 assert torch.equal(p, want), (run, name)
             else:  # the bf16 weights are the masters rounded once, not dequantized codes
                 assert torch.equal(p, want.bfloat16().float()), (run, name)

@@ -14,6 +14,7 @@ import time
 import torch
 
 import fastzero
+import fastzero.zero
 from bench.tiny_gpt import lm_loss, make_model, sequences
 from fastzero.comm import cross_node_bytes, node_ranks
 
@@ -43,6 +44,7 @@ def config(run: dict) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
         if run["stage"] == 3:
             zero["offload_param"] = {"device": "cpu"}
+    cfg.update(run.get("top", {}))  # top-level keys (prescale_gradients, gradient_predivide_factor)
     if run.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     if run.get("dtype") == "fp16":
@@ -99,6 +101,8 @@ def train(run: dict) -> None:
             record = step_record(engine, node_of, backward_start)
         if run.get("save_at") == step + 1:
             engine.save_checkpoint(run["save"])
+    with fastzero.zero.GatheredParameters(list(engine.module.parameters())):
+        seen = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     held_out = sequences(64, 99)
     with torch.no_grad(), engine.gathered() as module:
         eval_loss = lm_loss(module(held_out[:, :-1]), held_out).item()
@@ -113,6 +117,7 @@ def train(run: dict) -> None:
             skipped=engine.skipped_steps,
             nodes=node_of,
             state_dict={k: v.float() for k, v in engine.state_dict().items()},
+            seen_in_gathered_parameters=seen,
         ),
         f"{run['out']}.rank{rank}.pt",
     )
