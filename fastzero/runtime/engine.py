@@ -728,7 +728,10 @@ class Engine(torch.nn.Module):
         param shards with ``offload_param``). At stage 3 ``params`` is the
         shards plus the params gathered now (the persistent ones between
         steps). With OneBitAdam, ``compression_errors`` is its error-feedback
-        buffers. The values add up to the rank's model-state bytes."""
+        buffers. ZeRO++ (docs/zeropp.md): ``hpz_params``, hpZ's secondary
+        pieces; ``frozen_codes``, frozen params kept as int8 codes (and any
+        dequantized now); qwZ at stages 1-2 adds the exact shard to
+        ``params``. The values add up to the rank's model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
         if self.onebit:  # error feedback: the optimizer's (stage 0) and the groups' (stage 1, added below)
