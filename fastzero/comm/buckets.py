@@ -140,6 +140,8 @@ class GradReducer:
             self.pending[b] -= n
         if self.overlap:
             self._launch_ready()
+        if self.quant is not None:  # hierarchical reductions whose node phase landed go on across nodes
+            self.quant.advance()
 
     def finish(self) -> None:
         """Launches what is left (buckets of params that got no gradient,

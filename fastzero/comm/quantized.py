@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import socket
 import warnings
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -210,7 +211,12 @@ class QuantizedReduceScatter:
         tag: str = "grad",
         seed: int = 0,
         hierarchy: Hierarchy | None = None,
+        queue: deque | None = None,
     ) -> None:
+        """`queue`: hierarchical reductions whose cross-node phase is still
+        to launch, shared by every reduction over the same groups, in launch
+        order: each rank launches those phases in that order (a collective
+        order that timing could otherwise change across ranks)."""
         self.comm, self.out, self.fmt, self.tag, self.seed, self.h = comm, out, fmt, tag, seed, hierarchy
         n, world = out.numel(), comm.world_size
         chunks = inp.reshape(world, n)
@@ -224,26 +230,45 @@ class QuantizedReduceScatter:
         self._recv = torch.empty_like(self._send)
         self.handle: Handle | None = peers.all_to_all(self._recv, self._send, tag)
         self.event = self.handle.event
+        self._inter: Handle | None = None  # hierarchical: the cross-node all-to-all, once launched
+        self._queue = deque() if queue is None else queue
+        if hierarchy is not None:
+            self._queue.append(self)
+
+    def ready(self) -> bool:
+        """Whether the node phase has landed (its event says so; nothing blocks)."""
+        return self.event.done is not None
+
+    def _launch_inter(self, site: str) -> None:
+        """Quantizes the node's sums again and launches the cross-node
+        all-to-all; the reductions queued before this one first."""
+        while self._queue and self._queue[0] is not self:
+            self._queue[0]._launch_inter(site)
+        self._queue.popleft()
+        h, n = self.h, self.out.numel()
+        self.handle.wait(site)
+        # from each local peer, N chunks (one per node's owner with this local index): the node's sums
+        rows = self._recv.view(h.local_size, h.nodes, -1)
+        sums = torch.empty(h.nodes, n, dtype=torch.float32, device=self.out.device)
+        for node in range(h.nodes):
+            self.fmt.dequantize_sum(rows[:, node], sums[node])
+        seeds = [mix_seed(self.seed, self.comm.rank, node, 1 << 40) for node in range(h.nodes)]
+        self._send = _packed(self.fmt, list(sums), seeds, self.out.device)
+        self._recv = torch.empty_like(self._send)
+        self._inter = h.inter.all_to_all(self._recv, self._send, self.tag)
 
     def wait(self, site: str = "") -> None:
         if self.handle is None:
             return
-        self.handle.wait(site)
-        self.handle = None
-        h, n = self.h, self.out.numel()
-        if h is None:
+        if self.h is None:
+            self.handle.wait(site)
             self.fmt.dequantize_sum(self._recv.view(self.comm.world_size, -1), self.out)
         else:
-            # from each local peer, N chunks (one per node's owner with this local index): the node's sums
-            rows = self._recv.view(h.local_size, h.nodes, -1)
-            sums = torch.empty(h.nodes, n, dtype=torch.float32, device=self.out.device)
-            for node in range(h.nodes):
-                self.fmt.dequantize_sum(rows[:, node], sums[node])
-            seeds = [mix_seed(self.seed, self.comm.rank, node, 1 << 40) for node in range(h.nodes)]
-            send = _packed(self.fmt, list(sums), seeds, self.out.device)
-            recv = torch.empty_like(send)
-            h.inter.all_to_all(recv, send, self.tag).wait(site)
-            self.fmt.dequantize_sum(recv.view(h.nodes, -1), self.out)
+            if self._inter is None:
+                self._launch_inter(site)
+            self._inter.wait(site)
+            self.fmt.dequantize_sum(self._recv.view(self.h.nodes, -1), self.out)
+        self.handle = self._inter = None
         self._send = self._recv = None
 
 
@@ -257,7 +282,16 @@ class GradQuant:
     fmt: QuantFormat
     hierarchy: Hierarchy | None = None
     round: int = 0
+    pending: deque = field(default_factory=deque)  # hierarchical: cross-node phases to launch, in order
 
     def reduce_scatter(self, comm: Comm, out: Tensor, inp: Tensor, tag: str, key: int) -> QuantizedReduceScatter:
         seed = mix_seed(self.round, key)
-        return QuantizedReduceScatter(comm, out, inp, self.fmt, tag, seed, self.hierarchy)
+        return QuantizedReduceScatter(comm, out, inp, self.fmt, tag, seed, self.hierarchy, self.pending)
+
+    def advance(self) -> None:
+        """Hierarchical: the reductions whose node phase has landed go on to
+        their cross-node phase, in launch order, up to the first that has
+        not landed (the gradient reducer calls it as backward goes on), so
+        that phase overlaps what runs next."""
+        while self.pending and self.pending[0].ready():
+            self.pending[0]._launch_inter("")

@@ -143,6 +143,13 @@ class PipelineEngine(Engine):
                 f"the pipeline engine trains a fastzero.pipe.PipelineModule, not {type(module).__name__}: build the "
                 "model from LayerSpecs (docs/pipeline.md)"
             )
+        hpz = config.zero_optimization.zero_hpz_partition_size
+        if hpz > 1:
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size = {hpz} with a pipeline: at stage 3 the pipeline engine "
+                "gathers each param of its stage once per step and holds it for every micro-batch, so no later gather "
+                "is left for hpZ to keep inside the node; leave it at 1 (qwZ and qgZ work with pipelines)"
+            )
         super().__init__(module, config, mpu=module.topology, **kwargs)
         if self._overlap_gather:
             # a layer run as forward_fn(module, x) (a tied embedding as the output head): that module's forward
@@ -504,7 +511,8 @@ class PipelineEngine(Engine):
         the micro-batches' forwards and backwards in; a tied weight used
         through a ``forward_fn`` (no module hook fires) is whole too."""
         if self.fetcher is not None and self._held is None:
-            self._held = self.fetcher.hold([u.param for u in self.fetcher.unit_of.values()])
+            # for training: through qwZ's codes when on (the exact weights are for readers)
+            self._held = self.fetcher.hold([u.param for u in self.fetcher.unit_of.values()], exact=False)
 
     def _release_params(self) -> None:
         if self._held is not None:

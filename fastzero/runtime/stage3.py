@@ -642,18 +642,22 @@ class ParamFetcher:
         self.cursor = 0
         self.active.clear()
 
-    def hold(self, params: list[Tensor]) -> tuple[list[Unit], list[Unit]]:
+    def hold(self, params: list[Tensor], exact: bool = True) -> tuple[list[Unit], list[Unit]]:
         """``fastzero.zero.GatheredParameters``: the units of `params`
         gathered (counted as live) and held, so that no module's forward
         end releases them, until :meth:`unhold`. Returns them and the ones
         this call gathered (the others were whole already: persistent, or
-        gathered for a forward, ``engine.gathered()`` or a prefetch)."""
+        gathered for a forward, ``engine.gathered()`` or a prefetch). The
+        gathers are exact (for readers of the weights) unless `exact` is
+        False (the pipeline engine holds its stage's params for a step's
+        training: through qwZ's codes, when on)."""
         units = [self.unit_of[id(p)] for p in params]
         fresh = [u for u in units if not u.gathered]
         for u in fresh:
-            u.start_gather(exact=True)
+            u.start_gather(exact=exact)
             self._count(u.numel)
-        self._make_exact(units)
+        if exact:
+            self._make_exact(units)
         for u in units:
             u.wait()
             u.refs += 1

@@ -18,6 +18,7 @@ from tests.paths import WORKERS
 WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-6)
 BASE = {"blocks": 6, "micro_batches": 4, "steps": 10, "clip": 0.05, "tied": True}
+ZEROPP = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_quantized_block_size": 16}
 
 RUNS = {
     "1f1b-p2-z0": {"schedule": "1f1b", "stages": 2, "zero": 0},
@@ -47,8 +48,11 @@ RUNS = {
         "groups": "per_channel",
     },
     "zb-h1-p4-channels": {"schedule": "zb-h1", "stages": 4, "zero": 2, "groups": "per_channel"},
+    # ZeRO++ over the data axis (quantized: tracks the reference, below)
+    "zeropp-p2-z2": {"schedule": "1f1b", "stages": 2, "zero": 2, "zeropp": ZEROPP},
+    "zeropp-p2-z3": {"schedule": "zb-h1", "stages": 2, "zero": 3, "zeropp": ZEROPP},
 }
-INEXACT = ("bf16", "fp16", "fp16-skip-z3", "skip", "auto")
+INEXACT = ("bf16", "fp16", "fp16-skip-z3", "skip", "auto", "zeropp-p2-z2", "zeropp-p2-z3")
 EXACT = [k for k, r in RUNS.items() if not r.get("expect_error") and k not in INEXACT]
 
 
@@ -87,7 +91,7 @@ def test_matches_single_process_adamw(results, key):
         assert names == set(ref["params"])
 
 
-@pytest.mark.parametrize("key", ["bf16", "fp16"])
+@pytest.mark.parametrize("key", ["bf16", "fp16", "zeropp-p2-z2", "zeropp-p2-z3"])
 def test_low_precision_tracks_fp32(results, key):
     ref = results[key][0]["reference"]
     for res in results[key]:

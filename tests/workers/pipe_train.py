@@ -97,7 +97,11 @@ def config(run: dict) -> dict:
         "gradient_accumulation_steps": run["micro_batches"],
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         # stage 3: every param partitioned (none kept whole as small), so the gathers are counted
-        "zero_optimization": {"stage": run.get("zero", 0), "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": run.get("zero", 0),
+            "stage3_param_persistence_threshold": 0,
+            **run.get("zeropp", {}),
+        },
         "pipeline": {
             "schedule": run["schedule"],
             "p2p_timeout": run.get("timeout", 60),

@@ -4,8 +4,10 @@ Face model (tests/workers/autotp_model.py's) sharded by the config's
 (world / 2) under a ZeRO stage for a few steps; every rank also trains the
 unsharded twin with torch.optim.AdamW on the same global batches, one
 process, and saves both runs' losses and its own pieces of the final
-weights next to the twin's. Arguments: arch, stage, steps, out."""
+weights next to the twin's. Arguments: arch, stage, steps, out, and
+optionally a JSON object of more zero_optimization keys (ZeRO++)."""
 
+import json
 import sys
 
 import torch
@@ -21,14 +23,14 @@ def batch(step: int, rows: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(100 + step))
 
 
-def main(arch: str, stage: int, steps: int, out: str) -> None:
+def main(arch: str, stage: int, steps: int, out: str, zero: dict) -> None:
     fastzero.init_distributed()
     world = torch.distributed.get_world_size()
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, **zero},
         "tensor_parallel": {"autotp_size": 2},
         "steps_per_print": 10**6,
     }
@@ -85,4 +87,4 @@ def main(arch: str, stage: int, steps: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]) if sys.argv[5:] else {})
