@@ -91,13 +91,26 @@ def test_matches_single_process_adamw(results, key):
         assert names == set(ref["params"])
 
 
-@pytest.mark.parametrize("key", ["bf16", "fp16", "zeropp-p2-z2", "zeropp-p2-z3"])
+@pytest.mark.parametrize("key", ["bf16", "fp16"])
 def test_low_precision_tracks_fp32(results, key):
     ref = results[key][0]["reference"]
     for res in results[key]:
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
         for name, value in res["params"].items():
             torch.testing.assert_close(value, ref["params"][name], rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("key", ["zeropp-p2-z2", "zeropp-p2-z3"])
+def test_zeropp_over_the_data_axis_tracks_the_reference(results, key):
+    """qwZ and qgZ (int4 gradients, blocks of 16 on this tiny model) under the
+    pipeline: the losses track one process's, and the params stay close to
+    its params relative to how far training moved them."""
+    ref = results[key][0]["reference"]
+    for res in results[key]:
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
+        for name, value in res["params"].items():
+            moved = (ref["params"][name] - ref["initial"][name]).abs().mean()
+            assert (value - ref["params"][name]).abs().mean() < 0.15 * moved, name
 
 
 def test_a_non_finite_gradient_on_one_stage_skips_the_step_everywhere(results):

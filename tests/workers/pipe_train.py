@@ -196,7 +196,8 @@ def train(run: dict) -> dict:
         scales.append(engine.loss_scale)
         # stage 3's param all-gathers in this step (tagged "param:<name>")
         gathers.append(sum(e.tag.startswith("param:") for e in engine.comm.events("all_gather")))
-        scatters.append(len(engine.comm.events("reduce_scatter")))  # the gradients' (stages 1-2)
+        # the gradients' (stages 1-2): reduce-scatters, or qgZ's all-to-alls
+        scatters.append(sum(e.op in ("reduce_scatter", "all_to_all") for e in engine.comm.events(tag="grad")))
         engine.comm.record.clear()
     units = len(engine.fetcher.unit_of) if engine.fetcher is not None else 0
     evaluated = float(engine.eval_batch(iter([batch(100, k, data_rank) for k in range(run["micro_batches"])])))
