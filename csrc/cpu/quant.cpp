@@ -19,6 +19,13 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+// GCC 12 warns, inside avx512fintrin.h, that the self-initialized
+// _mm512_undefined_* operands of the intrinsics these kernels inline are
+// uninitialized (a false positive, as -Wno-maybe-uninitialized in build.py).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 #define FZ_KERNEL_BODY "quant_kernel.inc"
 #include "isa_regions.inc"
 
