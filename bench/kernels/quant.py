@@ -9,6 +9,10 @@ group size is 2048 for weights; 256 is the finer, harder case):
   one fp32 scale per block. Own bytes: read x once (4 N: the kernels' second
   read of a block hits the cache), write the codes (N or N / 2) and the
   scales (4 N / 256).
+* ``quantize-sr-int8-fp32-N`` / ``quantize-sr-int4-fp32-N``: the same with
+  stochastic rounding (qgZ's gradients), the same bytes. The reference is
+  not timed beside them (its counter hash takes seconds at 4M values); it
+  still checks them.
 * ``dequantize-int8-N``: int8 codes and scales to fp32 values (the qwZ
   receiver): read N + 4 N / 256, write 4 N.
 * ``dequantize_sum-int4-r4-N``: the int4 codes of 4 ranks for the same N
@@ -47,6 +51,7 @@ RANKS = 4  # dequantize_sum's ranks: a world of 4
 SIZES = {"cpu": [1 * M, 16 * M, 64 * M], "cuda": [1 * M, 16 * M, 64 * M, 256 * M]}
 QUICK_SIZES = {"cpu": [1 * M, 4 * M], "cuda": [1 * M, 16 * M]}
 TARGET = 0.7  # fraction of the roofline the kernels should reach
+SEED = 1234  # stochastic rounding's seed
 
 
 def quantize_bytes(n: int, bits: int) -> float:
@@ -60,15 +65,23 @@ def dequantize_bytes(n: int, bits: int = 8, ranks: int = 1) -> float:
 class Data:
     """A case's x (uniform in [-1, 1)), its codes from RANKS ranks (fresh values each) and the reference's results."""
 
-    def __init__(self, n: int, bits: int, device: str, seed: int = 0) -> None:
+    def __init__(self, n: int, bits: int, device: str, seed: int = 0, stochastic: bool = False) -> None:
         gen = torch.Generator(device=device).manual_seed(seed)
         self.xs = [torch.empty(n, device=device).uniform_(-1, 1, generator=gen) for _ in range(RANKS)]
         self.bits = bits
         self.n = n
+        self.stochastic = stochastic
+
+    def quantize(self, x: torch.Tensor, backend: str, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return quant.quantize_blockwise(
+            x, self.bits, BLOCK, stochastic=self.stochastic, seed=SEED, out=out, backend=backend
+        )
 
     @functools.cached_property
     def coded(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [quant.quantize_blockwise(x, self.bits, BLOCK, backend="reference") for x in self.xs]
+        if self.stochastic:  # only quantize's cases round stochastically: rank 0's codes are all they need
+            return [self.quantize(self.xs[0], "reference")]
+        return [self.quantize(x, "reference") for x in self.xs]
 
     @functools.cached_property
     def values(self) -> torch.Tensor:
@@ -94,7 +107,7 @@ def runner(data: Callable[[], Data], op: str, backend: str, device: str) -> Runn
         out = (torch.empty_like(want_c), torch.empty_like(want_s))
 
         def step():
-            quant.quantize_blockwise(x, d.bits, BLOCK, out=out, backend=backend)
+            d.quantize(x, backend, out)
 
         def check():
             step()
@@ -133,15 +146,24 @@ def cases(sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
     """``--sizes``: values per tensor; ``--dtype`` is not used (x is fp32)."""
     out = []
     for n in sizes or (QUICK_SIZES if quick else SIZES)[device]:
-        for op, bits in (("quantize", 8), ("quantize", 4), ("dequantize", 8), ("dequantize_sum", 4)):
-            data = functools.cache(lambda n=n, bits=bits: Data(n, bits, device))
+        for op, bits, sr in (
+            ("quantize", 8, False),
+            ("quantize", 4, False),
+            ("quantize", 8, True),
+            ("quantize", 4, True),
+            ("dequantize", 8, False),
+            ("dequantize_sum", 4, False),
+        ):
+            data = functools.cache(lambda n=n, bits=bits, sr=sr: Data(n, bits, device, stochastic=sr))
             make = functools.partial(runner, data, op)
             provs = [Provider(p, "ours", functools.partial(make, b or "cpu", device)) for p, b in our_backends(device)]
-            provs.append(Provider("reference", "peer", functools.partial(make, "reference", device)))
+            if not sr:
+                provs.append(Provider("reference", "peer", functools.partial(make, "reference", device)))
             provs.append(roofline(device, [n], writes=op != "quantize"))
             if op == "quantize":
-                name, own = f"quantize-int{bits}-fp32-{_fmt(n)}", quantize_bytes(n, bits)
-                desc = f"quantize {_fmt(n)} fp32 values to int{bits} in blocks of {BLOCK}"
+                name, own = f"quantize-{'sr-' if sr else ''}int{bits}-fp32-{_fmt(n)}", quantize_bytes(n, bits)
+                how = ", rounding stochastically" if sr else ""
+                desc = f"quantize {_fmt(n)} fp32 values to int{bits} in blocks of {BLOCK}{how}"
             elif op == "dequantize":
                 name, own = f"dequantize-int8-{_fmt(n)}", dequantize_bytes(n)
                 desc = f"dequantize {_fmt(n)} int8 codes to fp32 in a preallocated out"

@@ -15,7 +15,7 @@ from tests.ops.quant.cases import DTYPES, assert_same, check_backend, dtype_id, 
 # the threaded kernels (2^18 elements) with a ragged end
 SIZES = [0, 1, 7, 255, 257, 1001, 4099]
 LONG = (1 << 18) + 1031  # block 256 only: the long case costs the reference most of the time
-BLOCKS = [2, 64, 256, 1000, 4096]  # below, at and above the kernels' 512-element tile
+BLOCKS = [2, 64, 256, 1000, 4096, 6000]  # not a multiple of the vector groups; at and above the 4096-value tile
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
