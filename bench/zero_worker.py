@@ -117,6 +117,7 @@ class Fastzero(Job):
             zero.update(stage3_prefetch_bucket_size=v["prefetch"], stage3_param_persistence_threshold=spec["persist"])
         if v.get("offload"):
             zero["offload_optimizer"] = {"device": "cpu"}
+        zero.update(v.get("zero", {}))  # more zero_optimization keys (ZeRO++)
         cfg = {
             "train_micro_batch_size_per_gpu": spec["micro"],
             "steps_per_print": 10**9,

@@ -311,6 +311,7 @@ _RSS = (
 )
 _KERNEL = "kernel: the fastzero CPU Adam kernel alone over fresh fp32 tensors of the rank's shard size. "
 TORCH = ("ddp", "fsdp2", "fsdp2-reshard")
+ZEROPP = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
 
 ZERO_JOBS = Jobs(
     name="zero",
@@ -320,12 +321,21 @@ ZERO_JOBS = Jobs(
         "allows 12%)"
     ),
     variants={
-        "fastzero": {"fastzero-s0": {"stage": 0}, "fastzero-s1": {"stage": 1}, "fastzero-s2": {"stage": 2}},
+        "fastzero": {
+            "fastzero-s0": {"stage": 0},
+            "fastzero-s1": {"stage": 1},
+            "fastzero-s2": {"stage": 2},
+            # ZeRO++'s int8 post-step all-gather and int4 gradient exchange (docs/zeropp.md)
+            "fastzero-s1-zeropp": {"stage": 1, "zero": ZEROPP},
+            "fastzero-s2-zeropp": {"stage": 2, "zero": ZEROPP},
+        },
         "ddp": {"ddp": {}},
         "fsdp2": {"fsdp2": {"reshard": False}, "fsdp2-reshard": {"reshard": True}},
         "deepspeed": {"deepspeed-s1": {"stage": 1}, "deepspeed-s2": {"stage": 2}},
     },
-    against={n: TORCH for n in ("fastzero-s0", "fastzero-s1", "fastzero-s2")},
+    against={
+        n: TORCH for n in ("fastzero-s0", "fastzero-s1", "fastzero-s2", "fastzero-s1-zeropp", "fastzero-s2-zeropp")
+    },
     best_metric="speedup_vs_fastest_torch",
     best_label="fastest torch",
     gated="fastzero-s2",

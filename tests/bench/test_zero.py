@@ -44,11 +44,13 @@ def _run(tmp_path, kernel: str, *more: str) -> tuple[dict, dict, str]:
 
 
 def test_tiny_run_rows_report_and_a_missing_peer(tmp_path, no_deepspeed):
-    res, got, text = _run(tmp_path, "zero", "--skip", "fsdp2", "--skip", "fastzero-s0", "--skip", "fastzero-s1")
+    skip = ("fsdp2", "fastzero-s0", "fastzero-s1", "fastzero-s1-zeropp")
+    res, got, text = _run(tmp_path, "zero", *(a for name in skip for a in ("--skip", name)))
     (case,) = res["cases"]
     assert set(case["skipped"]) == {"deepspeed-s1", "deepspeed-s2"}
     assert "not installed here" in case["skipped"]["deepspeed-s1"]
-    assert {p for p, _ in got} == {"fastzero-s2", "ddp"}
+    assert {p for p, _ in got} == {"fastzero-s2", "fastzero-s2-zeropp", "ddp"}
+    assert ("fastzero-s2-zeropp", "speedup_vs_ddp") in got and ("fastzero-s2-zeropp", "allgather_ms") in got
     psi = zero.params(32)
     assert got[("ddp", "model_state_bytes")] >= 16 * psi  # params, grads, exp_avg, exp_avg_sq, all replicated
     # stage 2 on 2 ranks: 4 psi + 12 psi / 2 (layout padding aside), bucket buffers shown apart
