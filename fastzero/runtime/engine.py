@@ -250,6 +250,7 @@ class Engine(torch.nn.Module):
         ]
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self._gather_depth = 0  # nested gathered() blocks
+        self._warned_codes = False  # state_dict() at stages 1-2 with qwZ said what it holds
         self._grads_fresh = True  # no backward since the gradients were last zeroed
         self._step_applied = False  # the last optimizer step updated the params
         self.grad_norm: float | None = None
@@ -754,7 +755,6 @@ class Engine(torch.nn.Module):
             out["frozen_codes"] = sum(u.packed.numel() + (0 if u.full is None else nbytes(u.full)) for u in frozen)
         return out
 
-    @contextlib.contextmanager
     def gathered(self):
         """Every param whole inside the block (stage 3 gathers the partitioned
         ones and releases them after; other stages hold them whole anyway).
@@ -785,7 +785,14 @@ class Engine(torch.nn.Module):
         dict holds copies of the whole tensors."""
         self.wait_params("state_dict")
         if self.fetcher is None:
-            self.exact_params()
+            if self.stage in (1, 2) and self.zeropp.weights is not None and not self._warned_codes:
+                self._warned_codes = True  # local (no collective: rank 0 alone may call it), so say what it holds
+                warnings.warn(
+                    "engine.state_dict() with zero_quantized_weights at stage 1-2 holds the params the model "
+                    "computes with: the dequantized int8 codes of the last step's all-gather. For the exact weights "
+                    "use engine.gathered() or save_16bit_model (every rank calls them), or save_checkpoint",
+                    stacklevel=2,
+                )
             return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         with self.gathered() as module:
             state = module.state_dict(prefix=prefix)
@@ -811,7 +818,7 @@ class Engine(torch.nn.Module):
             and not any(k.startswith("module.") for k in own)
         ):
             state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
-        with self.gathered() as module:
+        with self._gathered(exact=False) as module:  # the values are replaced: nothing to gather exactly
             result = module.load_state_dict(state_dict, strict=strict)
             self.refresh_from_module()
         return result
