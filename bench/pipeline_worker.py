@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import tiny_gpt
 from .harness import stretch
 from .jobs import finish_rank
 
@@ -81,21 +82,12 @@ class Embed(Seeded):
         return self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
 
 
-class Block(Seeded):
-    def __init__(self, hidden: int, heads: int, seed: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-        self.init(seed)
+class Block(tiny_gpt.Block, Seeded):
+    """bench/tiny_gpt.py's pre-norm attention + MLP block, seeded."""
 
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(a)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+    def __init__(self, hidden: int, heads: int, seed: int) -> None:
+        super().__init__(hidden, heads)
+        self.init(seed)
 
 
 class Head(Seeded):
