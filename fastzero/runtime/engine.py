@@ -757,11 +757,18 @@ class Engine(torch.nn.Module):
 
     def gathered(self):
         """Every param whole inside the block (stage 3 gathers the partitioned
-        ones and releases them after; other stages hold them whole anyway).
+        ones and releases them after; other stages hold them whole anyway),
+        with their exact values (with qwZ at stages 1-2 they are gathered
+        again from the exact shards: a collective then, as at stage 3).
         DeepSpeed's ``zero.GatheredParameters`` for the whole model. Nests:
         the outermost block gathers and releases."""
+        return self._gathered(exact=True)
+
+    @contextlib.contextmanager
+    def _gathered(self, exact: bool):
         self.wait_params("gathered")
-        self.exact_params()
+        if exact:
+            self.exact_params()
         if self.fetcher is None or self._gather_depth:
             self._gather_depth += 1
             try:
