@@ -52,6 +52,26 @@ def check_contiguous(t: Tensor, what: str) -> None:
         raise ValueError(f"{what} is not contiguous; pass t.contiguous() (the kernel updates memory in place)")
 
 
+STATE_FORMATS = ("fp32", "bf16", "param_dtype")
+
+
+def check_state_format(op: str, state_format: str | None, seed: int | None) -> None:
+    """``state_format`` one of :data:`STATE_FORMATS` or None (the states as
+    given); ``seed`` (stochastic rounding's) an int in [0, 2^32), and only
+    with ``state_format="bf16"``, the one format that rounds stochastically."""
+    if state_format is not None and state_format not in STATE_FORMATS:
+        raise ValueError(f"{op}: state_format={state_format!r}; known: {', '.join(map(repr, STATE_FORMATS))}")
+    if seed is None:
+        return
+    if state_format != "bf16":
+        raise ValueError(
+            f"{op}: seed={seed!r} is the seed of stochastic rounding, which only state_format='bf16' does "
+            f"(state_format={state_format!r} rounds to nearest)"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"{op}: seed must be an int in [0, 2**32), got {seed!r}")
+
+
 def check_optimizer_lists(
     op: str,
     params: list[Tensor],
@@ -62,11 +82,13 @@ def check_optimizer_lists(
     *,
     device_type: str = "cpu",
     hint: str = "",
+    state_format: str | None = None,
 ) -> None:
     """The tensor lists of a functional optimizer step: equal lengths; params
     fp32/bf16/fp16 and grads of any of these, of the param's size; states
-    fp32 or the param's dtype; copies bf16/fp16 of fp32 params; all dense,
-    contiguous and on `device_type`."""
+    fp32 or the param's dtype (``state_format``: ``"fp32"`` fp32 only,
+    ``"param_dtype"`` the param's only, ``"bf16"`` bf16 whatever the param's);
+    copies bf16/fp16 of fp32 params; all dense, contiguous and on `device_type`."""
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if param_copies is not None:
@@ -82,10 +104,22 @@ def check_optimizer_lists(
         for name, s in (("exp_avgs", m), ("exp_avg_sqs", v)):
             check_tensor(s, f"{name}[{i}]", device_type=device_type, hint=hint)
             check_same_size(s, p, f"{name}[{i}]", f"params[{i}]")
-            if s.dtype not in (torch.float32, p.dtype):
-                raise TypeError(
-                    f"{name}[{i}] is {s.dtype}; optimizer states must be float32 or the param's dtype ({p.dtype})"
-                )
+            allowed = {
+                None: (torch.float32, p.dtype),
+                "fp32": (torch.float32,),
+                "param_dtype": (p.dtype,),
+                "bf16": (torch.bfloat16,),
+            }[state_format]
+            if s.dtype not in allowed:
+                if state_format == "bf16":
+                    want = "bfloat16 (state_format='bf16')"
+                elif state_format is None:
+                    want = f"float32 or the param's dtype ({p.dtype})"
+                    if s.dtype == torch.bfloat16:
+                        want += "; bf16 states of other params are state_format='bf16' (stochastic rounding)"
+                else:
+                    want = f"{allowed[0]} (state_format={state_format!r})"
+                raise TypeError(f"{name}[{i}] is {s.dtype}; optimizer states must be {want}")
             check_contiguous(s, f"{name}[{i}]")
         if m.dtype != v.dtype:
             raise TypeError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}; use one state dtype")
@@ -138,6 +172,7 @@ def check_device_step(
     *,
     device_types: tuple[str, ...] = ("cuda",),
     hint: str = "",
+    state_format: str | None = None,
 ) -> torch.device | None:
     """The inputs of a device kernel's optimizer step: the lists as
     :func:`check_optimizer_lists` wants them, all on one device of
@@ -148,7 +183,17 @@ def check_device_step(
     device_type = params[0].device.type if params and isinstance(params[0], Tensor) else device_types[0]
     if device_type not in device_types:
         device_type = device_types[0]  # the error below names the device it wants
-    check_optimizer_lists(op, params, grads, exp_avgs, exp_avg_sqs, param_copies, device_type=device_type, hint=hint)
+    check_optimizer_lists(
+        op,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        param_copies,
+        device_type=device_type,
+        hint=hint,
+        state_format=state_format,
+    )
     if not params:
         return None
     device = params[0].device

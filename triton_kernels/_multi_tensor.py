@@ -214,6 +214,7 @@ def check_inputs(
     exp_avg_sqs: list[Tensor],
     param_copies: list[Tensor] | None,
     scalars: dict[str, Tensor | None],
+    state_format: str | None = None,
 ) -> None:
     """fastzero.checks.check_device_step, on CUDA tensors (CPU tensors
     too under the interpreter)."""
@@ -228,4 +229,5 @@ def check_inputs(
         scalars,
         device_types=("cuda", "cpu") if INTERPRET else ("cuda",),
         hint=hint,
+        state_format=state_format,
     )

@@ -6,7 +6,9 @@ bf16 params (fp32 states), beside the GPU's copy bandwidth.
 Bytes per param: fp32 28 (read p, g, m, v; write p, m, v); bf16 params and
 grads with fp32 states 22 (2+2+4+4 read, 2+4+4 written). torch's fused AdamW
 keeps a bf16 param's states in bf16 (14 B): speedups compare whole steps,
-GB/s counts the bytes fastzero's step must move.
+GB/s counts the bytes fastzero's step must move. ``--dtype bf16states`` (CPU):
+fp32 params and grads with bf16 states written by stochastic rounding, 20 B
+(4+4+2+2 read, 4+2+2 written), its first step checked to the bit.
 """
 
 from __future__ import annotations
@@ -37,6 +39,22 @@ def provide_fastzero(data: Callable[[], OptimData], backend: str | None, device:
     return Runner(step=opt.step, check=first_step_check(opt, params, data), cuda=device == "cuda")
 
 
+def provide_fastzero_sr(data: Callable[[], OptimData], backend: str | None, device: str) -> Runner:
+    """FusedAdam with bf16 states written by stochastic rounding."""
+    from .cpu_adam import sr_check
+
+    backend_ready(backend, device)
+    data = data()
+    params = data.parameters()
+    opt = FusedAdam(params, **HYPER, backend=backend, state_format="bf16")
+
+    def check():
+        opt.step()
+        sr_check(data, params, *[[opt.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")])
+
+    return Runner(step=opt.step, check=check, cuda=device == "cuda")
+
+
 def provide_torch(data: OptimData, device: str) -> Runner:
     params = data.parameters()
     opt = torch.optim.AdamW(params, **HYPER, fused=True)
@@ -49,6 +67,14 @@ def provide_torch(data: OptimData, device: str) -> Runner:
 def cases(sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
     out = []
     for name in dtypes or (["fp32"] if device == "cpu" else ["fp32", "bf16"]):
+        if name == "bf16states" and device == "cpu":
+            for case_name, tensor_sizes in layouts("fp32-bf16states", sizes, quick, device)[:-1]:
+                data = functools.cache(functools.partial(OptimData, tensor_sizes, reference.adam_step, HYPER))
+                what = f"FusedAdam step, fp32 params, bf16 states (stochastic rounding), {device}"
+                peer = ("torch_fused", provide_torch)
+                out.append(
+                    optim_case(FAMILY.name, case_name, tensor_sizes, 20, data, provide_fastzero_sr, peer, what, device)
+                )
         if name not in DTYPES:
             continue
         dtype = DTYPES[name]

@@ -9,6 +9,15 @@
 
 #include "parallel.h"
 
+// The bf16 stochastic-rounding format pins the update to separately rounded
+// operations (adam_kernel.inc: madd<true>), which the compiler must not fuse
+// into multiply-adds; the other formats use explicit fused ones.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace fz {
 
 // Per-call constants, folded once per call so the kernel does one pass of
@@ -16,15 +25,26 @@ namespace fz {
 // l2 = wd. step_size = lr / bc1, bc2_rsqrt = 1 / sqrt(bc2). Each is computed
 // in double, as the reference's Python floats are, then rounded to float
 // (1 - beta too, as torch does). The first moment is torch's lerp:
-// m <- fma(m_coeff, g - m, m_from_grad ? g : m) (fz_lerp_coeff).
+// m <- fma(m_coeff, g - m, m_from_grad ? g : m) (fz_lerp_coeff). sr_stream:
+// the key of this step's random bits for bf16 states written with stochastic
+// rounding, fmix32(fmix32(seed) ^ step) (fastzero/ops/adam/reference.py).
 struct AdamConsts {
   float m_coeff, beta2, one_minus_beta2, eps, step_size, bc2_rsqrt, decay, l2, inv_grad_scale;
   bool m_from_grad;
+  uint32_t sr_stream;
 };
 
 namespace {
 
-AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scale) {
+uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  return h ^ (h >> 16);
+}
+
+AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scale, uint32_t sr_seed) {
   const fz_adam_derived d = fz_adam_derive(&h, step);
   AdamConsts k;
   const float w = float(d.one_minus_beta1);
@@ -38,6 +58,7 @@ AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scal
   k.decay = float(d.decay);
   k.l2 = float(d.l2);
   k.inv_grad_scale = float(inv_grad_scale);
+  k.sr_stream = fmix32(fmix32(sr_seed) ^ uint32_t(uint64_t(step)));
   return k;
 }
 
@@ -58,15 +79,18 @@ void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
                        const std::vector<int64_t>& numel, int p_dtype, int g_dtype,
                        int s_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
-                       double inv_grad_scale, int num_threads) {
-  const AdamConsts k = adam_consts(hyper, step, inv_grad_scale);
+                       double inv_grad_scale, uint32_t sr_seed, int num_threads) {
+  const AdamConsts k = adam_consts(hyper, step, inv_grad_scale, sr_seed);
+  // Segments start at multiples of kChunkElements in their tensor, so none
+  // crosses a multiple of 2^32 (where the SR key changes).
+  static_assert((int64_t(1) << 32) % kChunkElements == 0, "chunks never straddle 2^32");
   const int64_t ps = dtype_size(p_dtype), gs = dtype_size(g_dtype), ss = dtype_size(s_dtype),
                 cs = dtype_size(c_dtype);
   for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t n) {
     char* c = copy.empty() ? nullptr : reinterpret_cast<char*>(copy[t]) + off * cs;
     fn(reinterpret_cast<char*>(p[t]) + off * ps, reinterpret_cast<const char*>(g[t]) + off * gs,
        reinterpret_cast<char*>(m[t]) + off * ss, reinterpret_cast<char*>(v[t]) + off * ss, c,
-       n, k);
+       n, off, k);
   });
 }
 

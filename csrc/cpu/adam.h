@@ -13,23 +13,31 @@ namespace fz {
 // fz_adam_hyper, the step and the grad scale; the kernels read them).
 struct AdamConsts;
 
-// Updates one contiguous run of n elements of one tensor.
+// Updates one contiguous run of n elements of one tensor, the first of
+// which is element `first` of the tensor (the index stochastic rounding keys on).
 using AdamSegmentFn = void (*)(void* p, const void* g, void* m, void* v, void* copy,
-                               int64_t n, const AdamConsts& k);
+                               int64_t n, int64_t first, const AdamConsts& k);
 
 // The kernel for this ISA and dtype combination, or nullptr if not built:
 // params fp32 (states fp32, optional fp16/bf16 copy) or fp16/bf16 (states
-// fp32 or the param dtype, no copy); grads any of the three.
+// fp32 or the param dtype, no copy); grads any of the three. State code
+// kBF16SR (3, dtype_dispatch.inc): bf16 states written with stochastic
+// rounding, for params of any dtype (copies as with fp32 states).
 AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy);
+
+// The state code of bf16 states written with stochastic rounding (the
+// dtype_dispatch.inc constant, outside the ISA namespaces).
+constexpr int kAdamStatesBF16SR = 3;
 
 // One pass over a list of tensors with the same dtypes, split evenly across
 // num_threads threads by element count. `copy` is empty or one per tensor.
-// step: t >= 1; inv_grad_scale: the grads are multiplied by it (fused unscale).
+// step: t >= 1; inv_grad_scale: the grads are multiplied by it (fused unscale);
+// sr_seed: the seed of stochastic rounding (used by kBF16SR kernels only).
 void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<uintptr_t>& g, const std::vector<uintptr_t>& m,
                        const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
                        const std::vector<int64_t>& numel, int p_dtype, int g_dtype,
                        int s_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
-                       double inv_grad_scale, int num_threads);
+                       double inv_grad_scale, uint32_t sr_seed, int num_threads);
 
 }  // namespace fz

@@ -54,7 +54,7 @@ void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>
           const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
           const std::vector<uintptr_t>& copy, const std::vector<int64_t>& numel, int p_dtype,
           int g_dtype, int s_dtype, int c_dtype, const py::bytes& hyper, double step,
-          double inv_grad_scale, int num_threads) {
+          double inv_grad_scale, int64_t sr_seed, int num_threads) {
   const fz_adam_hyper h = hyper_from<fz_adam_hyper>(hyper, "adam", "fz_adam_hyper");
   const size_t n = numel.size();
   if (p.size() != n || g.size() != n || m.size() != n || v.size() != n ||
@@ -62,14 +62,21 @@ void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>
     throw std::invalid_argument("adam: tensor lists differ in length");
   for (int64_t k : numel)
     if (k < 0) throw std::invalid_argument("adam: negative element count");
-  fz::AdamSegmentFn fn = fz::adam_segment_fn(checked_isa(isa), p_dtype, g_dtype, s_dtype, c_dtype);
+  // sr_seed >= 0: bf16 states written with stochastic rounding keyed by it; -1: round to nearest.
+  if (sr_seed < -1 || sr_seed > int64_t(0xffffffffu))
+    throw std::invalid_argument("adam: sr_seed must be -1 (round to nearest) or in [0, 2^32)");
+  if (sr_seed >= 0 && s_dtype != fz::kBF16)
+    throw std::invalid_argument("adam: stochastic rounding needs bf16 states (state dtype code " +
+                                std::to_string(fz::kBF16) + "), got " + std::to_string(s_dtype));
+  const int s_code = sr_seed >= 0 ? fz::kAdamStatesBF16SR : s_dtype;
+  fz::AdamSegmentFn fn = fz::adam_segment_fn(checked_isa(isa), p_dtype, g_dtype, s_code, c_dtype);
   if (fn == nullptr)
     throw std::invalid_argument("adam: no kernel for dtype codes param=" + std::to_string(p_dtype) +
                                 " grad=" + std::to_string(g_dtype) + " state=" +
                                 std::to_string(s_dtype) + " copy=" + std::to_string(c_dtype));
   py::gil_scoped_release release;
-  fz::adam_multi_tensor(fn, p, g, m, v, copy, numel, p_dtype, g_dtype, s_dtype, c_dtype, h, step,
-                        inv_grad_scale, num_threads);
+  fz::adam_multi_tensor(fn, p, g, m, v, copy, numel, p_dtype, g_dtype, s_code, c_dtype, h, step,
+                        inv_grad_scale, uint32_t(sr_seed >= 0 ? sr_seed : 0), num_threads);
 }
 
 void check_lists(const char* what, size_t n, std::initializer_list<size_t> sizes) {
@@ -212,7 +219,8 @@ PYBIND11_MODULE(_cpu_ops, m) {
     return py::dict(py::arg("adam") = sizeof(fz_adam_hyper), py::arg("lamb") = sizeof(fz_lamb_hyper));
   }, "sizeof each family's hyperparameter struct in this build (csrc/common/hyperparams.h).");
   m.def("adam", &adam,
-        "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h); hyper: the bytes of an fz_adam_hyper.");
+        "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h); hyper: the bytes of an fz_adam_hyper; "
+        "sr_seed >= 0: bf16 states written with stochastic rounding keyed by it, -1: round to nearest.");
   m.def("lamb_grad_sumsq", &lamb_grad_sumsq, "LAMB pass 0: sum of squares of the unscaled grads.");
   m.def("lamb_norms", &lamb_norms,
         "LAMB pass 1: update m, v; returns each tensor's trust ratio (hyper: an fz_lamb_hyper's bytes).");

@@ -38,8 +38,9 @@ extern "C" {
 /* Bumped whenever an entry point below is added or its signature changes;
  * Python refuses a mismatch. 2: the 1-bit pack and unpack. 3: the optimizer
  * hyperparameters as one struct (fz_adam_hyper, fz_lamb_hyper);
- * fz_cuda_clip_factor became fz_cuda_lamb_clip_factor. */
-#define FZ_CUDA_ABI_VERSION 4
+ * fz_cuda_clip_factor became fz_cuda_lamb_clip_factor. 5: fz_cuda_adam's
+ * sr_seed (bf16 states written with stochastic rounding). */
+#define FZ_CUDA_ABI_VERSION 5
 
 enum {
   FZ_OK = 0,
@@ -60,12 +61,15 @@ FZ_API int fz_cuda_check_device(void);
 /* Adam/AdamW, fastzero/ops/adam/reference.py. p: fp32/fp16/bf16; g: any;
  * m, v: fp32 or p's dtype; copy (NULL or one per tensor): fp16/bf16, only
  * for fp32 p. hyper: not NULL. bias corrections 1 - beta^step are computed
- * on the device. */
+ * on the device. sr_seed: -1, or in [0, 2^32): m and v are bf16 (for p of
+ * any dtype; copies as with fp32 states), written with stochastic rounding
+ * keyed by (sr_seed, step, element index), after the reference's pinned
+ * update (every op rounded on its own). */
 FZ_API int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* const* v,
                         void* const* copy, const int64_t* numel, int n, int p_dtype,
                         int g_dtype, int s_dtype, int c_dtype, const fz_adam_hyper* hyper,
                         const float* step, const float* grad_scale, const float* found_inf,
-                        void* stream);
+                        int64_t sr_seed, void* stream);
 
 /* Per-chunk sums of (x / scale)^2 in fp64, into partials[0 .. chunks): the
  * first pass of an L2 norm over a list of tensors of one dtype. */

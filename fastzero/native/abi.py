@@ -27,10 +27,10 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 
 # FZ_CPU_ABI_VERSION (csrc/cpu/common.h): a prebuilt extension of another
 # version (a stale build) is passed over for a just-in-time build.
-CPU_ABI_VERSION = 3
+CPU_ABI_VERSION = 4
 
 # FZ_CUDA_ABI_VERSION: a library speaking another version is refused.
-CUDA_ABI_VERSION = 4
+CUDA_ABI_VERSION = 5
 
 _VP, _I, _I64, _D, _U32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_uint32
 _PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
@@ -41,8 +41,9 @@ CUDA_SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "fz_cuda_last_error": (ctypes.c_char_p, []),
     "fz_cuda_chunk_elems": (_I64, []),
     "fz_cuda_check_device": (_I, []),
-    # p, g, m, v, copy, numel, n, p/g/s/c dtype, hyper (fz_adam_hyper*), step, grad_scale, found_inf, stream
-    "fz_cuda_adam": (_I, [_PTRS] * 5 + [_I64S] + [_I] * 5 + [_VP] * 5),
+    # p, g, m, v, copy, numel, n, p/g/s/c dtype, hyper (fz_adam_hyper*), step, grad_scale, found_inf, sr_seed,
+    # stream
+    "fz_cuda_adam": (_I, [_PTRS] * 5 + [_I64S] + [_I] * 5 + [_VP] * 4 + [_I64, _VP]),
     # x, numel, n, dtype, scale, found_inf, partials, partials_len, stream
     "fz_cuda_l2norm_partials": (_I, [_PTRS, _I64S, _I, _I, _VP, _VP, _VP, _I64, _VP]),
     # partials, partials_len, hyper (fz_lamb_hyper*), found_inf, clip_out, stream

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-from fastzero.checks import check_grad_scale, check_optimizer_lists, check_step
+from fastzero.checks import check_grad_scale, check_optimizer_lists, check_state_format, check_step
 from fastzero.ops.backend import Family
 from fastzero.ops.hyperparams import Hyperparams
 
@@ -23,12 +23,18 @@ def host_step(
     param_copies: list[Tensor] | None,
     backend: str | None,
     hint: str = "",
+    **formats: Any,
 ) -> tuple[str, Any]:
-    """(the backend that ran, its result) of one step over checked lists."""
-    check_optimizer_lists(op, *tensors, param_copies, hint=hint)
+    """(the backend that ran, its result) of one step over checked lists.
+    ``formats``: the family's ``state_format=`` and ``seed=`` (Adam), checked
+    and passed on when given."""
+    if formats:
+        check_state_format(op, formats.get("state_format"), formats.get("seed"))
+    check_optimizer_lists(op, *tensors, param_copies, hint=hint, state_format=formats.get("state_format"))
     check_grad_scale(grad_scale)
     check_step(op, step)
     which = family.choose("cpu", backend).backend
     if which not in ("cpu", "reference"):
         raise ValueError(f"{op} runs the cpu or reference backend, not {which!r}; use the optimizer class for others")
-    return which, family.impl(which)(*tensors, step=step, hp=hp, grad_scale=grad_scale, param_copies=param_copies)
+    run = family.impl(which)
+    return which, run(*tensors, step=step, hp=hp, grad_scale=grad_scale, param_copies=param_copies, **formats)

@@ -7,20 +7,62 @@ where it has them, the extra device arguments and results of a step."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import logging
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fastzero.checks import check_optimizer_lists, check_same_size, check_tensor
+from fastzero.checks import STATE_FORMATS, check_optimizer_lists, check_same_size, check_state_format, check_tensor
 from fastzero.native import DTYPE_CODES
 from fastzero.ops.backend import Family
 from fastzero.ops.hyperparams import Hyperparams
 
 _DTYPES = frozenset(DTYPE_CODES)
 HOST_BACKENDS = ("cpu", "reference")  # step as an int, loss scale as a float; the others read device tensors
+log = logging.getLogger(__name__)
+
+
+def resolve_state_format(
+    owner: str,
+    supported: tuple[str, ...],
+    state_format: str | None,
+    fp32_optimizer_states: bool | None,
+    seed: int | None,
+) -> tuple[str, int | None]:
+    """(state format, seed) of an optimizer from its keywords.
+
+    ``fp32_optimizer_states`` is DeepSpeed's yes/no: True (or not given) is
+    ``"fp32"``, False is ``"param_dtype"`` (the param's dtype, rounded to
+    nearest). ``state_format`` names the format; given both, they must agree
+    on whether the states are fp32 (True only with ``"fp32"``, False only with
+    another format). ``seed`` (default 0) only with ``"bf16"``, which rounds
+    stochastically."""
+    if fp32_optimizer_states is not None and not (
+        isinstance(fp32_optimizer_states, bool) or fp32_optimizer_states in (0, 1)
+    ):
+        raise TypeError(f"{owner}: fp32_optimizer_states must be True or False, got {fp32_optimizer_states!r}")
+    if state_format is None:
+        fmt = "param_dtype" if fp32_optimizer_states is not None and not fp32_optimizer_states else "fp32"
+    else:
+        if state_format not in STATE_FORMATS:
+            raise ValueError(f"{owner}: state_format={state_format!r}; known: {', '.join(map(repr, STATE_FORMATS))}")
+        if fp32_optimizer_states is not None and bool(fp32_optimizer_states) != (state_format == "fp32"):
+            raise ValueError(
+                f"{owner}: fp32_optimizer_states={bool(fp32_optimizer_states)} contradicts "
+                f"state_format={state_format!r}; pass one of them (fp32_optimizer_states=True is "
+                "state_format='fp32', False is 'param_dtype')"
+            )
+        fmt = state_format
+    if fmt not in supported:
+        raise ValueError(
+            f"{owner}: state_format={fmt!r} is not implemented here; it writes {', '.join(map(repr, supported))} "
+            "(bf16 stochastic-rounding states are Adam's: CPUAdam, FusedAdam)"
+        )
+    check_state_format(owner, fmt, seed)
+    return fmt, ((0 if seed is None else seed) if fmt == "bf16" else None)
 
 
 @dataclass
@@ -80,8 +122,12 @@ class LossScaleViews:
 
 
 class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
-    """State: per param ``exp_avg``, ``exp_avg_sq`` (fp32, or the param's
-    dtype when ``fp32_optimizer_states`` is False) and, with
+    """State: per param ``exp_avg``, ``exp_avg_sq`` in the optimizer's
+    ``state_format`` (:func:`resolve_state_format`): ``"fp32"``;
+    ``"param_dtype"`` (``fp32_optimizer_states=False``: the param's dtype, or
+    fp32 where a master copy is kept); ``"bf16"`` (families that list it in
+    ``state_formats``: bf16 whatever the param, written with stochastic
+    rounding keyed by ``seed``, the step and the element's index). With
     ``master_weights``, ``master_param`` (fp32) for bf16/fp16 params. The step
     ``t`` is counted per param group in ``group["step"]``: a Python int for
     CPU groups, a 0-d fp32 tensor on the device for GPU groups (so that a
@@ -99,9 +145,14 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     ``_step_supports_amp_scaling``, the attributes ``grad_scale`` and
     ``found_inf``. Grads are divided by ``grad_scale`` inside the kernel; when
     ``found_inf`` is nonzero nothing changes and the step does not count.
+
+    ``state_dict()`` also records ``"state_format"``: ``{"format", "seed"}``.
+    :meth:`load_state_dict` converts states saved in another format (or by
+    torch.optim) to this optimizer's, and logs that it did.
     """
 
     _step_supports_amp_scaling = True
+    state_formats: tuple[str, ...] = ("fp32", "param_dtype")  # the formats the family's kernels write
     group_steps = True  # state[p]["step"] mirrors group["step"] (checkpoints keep the group's counter only)
     family: Family  # the kernel family's backends
     hyperparams: type[Hyperparams]
@@ -113,12 +164,19 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         params,
         hp: Hyperparams,
         *,
-        fp32_optimizer_states: bool = True,
+        fp32_optimizer_states: bool | None = None,
         master_weights: bool = False,
         backend: str | None = None,
+        state_format: str | None = None,
+        seed: int | None = None,
     ) -> None:
+        fmt, seed = resolve_state_format(
+            type(self).__name__, self.state_formats, state_format, fp32_optimizer_states, seed
+        )
         super().__init__(params, {**hp.group_defaults(), "amsgrad": False})
-        self.fp32_optimizer_states = fp32_optimizer_states
+        self.state_format = fmt
+        self.seed = seed  # stochastic rounding's (bf16 states), else None
+        self.fp32_optimizer_states = fmt == "fp32"  # DeepSpeed's attribute
         self.master_weights = master_weights
         self.force_backend = backend  # None: FASTZERO_BACKEND, else the fastest here
         self.last_backend: str | None = None
@@ -153,7 +211,13 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
 
     # -- the step ---------------------------------------------------------------
     def _state_dtype(self, p: Tensor) -> torch.dtype:
-        return torch.float32 if self.fp32_optimizer_states or self._uses_master(p) else p.dtype
+        if self.state_format == "bf16":
+            return torch.bfloat16
+        return torch.float32 if self.state_format == "fp32" or self._uses_master(p) else p.dtype
+
+    def _format_args(self) -> dict:
+        """The state format's arguments of a functional step (bf16 states only)."""
+        return {"state_format": "bf16", "seed": self.seed} if self.state_format == "bf16" else {}
 
     def _uses_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype != torch.float32
@@ -230,11 +294,13 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         self.last_backend = backend
         run = self.family.impl(backend)
         tensors = (lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs)
+        fmt = self._format_args()
         if backend in HOST_BACKENDS:
             if found_inf is not None and lists.device.type != "cpu" and bool(found_inf):
                 return  # the reference on a GPU: a host sync, the fallback's price
             scale = None if grad_scale is None else float(grad_scale)
-            self._keep(gi, run(*tensors, step=int(step), hp=hp, grad_scale=scale, param_copies=lists.param_copies))
+            step = int(step)
+            self._keep(gi, run(*tensors, step=step, hp=hp, grad_scale=scale, param_copies=lists.param_copies, **fmt))
             return
         device = lists.device
         run(
@@ -244,6 +310,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             grad_scale=as_device_scalar(grad_scale, device),
             found_inf=as_device_scalar(found_inf, device),
             param_copies=lists.param_copies,
+            **fmt,
             **self._device_extra(gi, lists),
         )
 
@@ -270,6 +337,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             lists.param_copies,
             device_type=lists.device.type,
             hint=self._device_hint,
+            state_format="bf16" if self.state_format == "bf16" else None,
         )
         self._checked[gi] = key
 
@@ -356,8 +424,10 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout: per-param ``step`` (a float32 tensor),
         ``exp_avg``, ``exp_avg_sq`` (and ``master_param``), so torch.optim.AdamW
-        can load it."""
+        can load it; and ``"state_format"``: ``{"format": ..., "seed": ...}``
+        (torch.optim ignores it)."""
         sd = super().state_dict()
+        sd["state_format"] = {"format": self.state_format, "seed": self.seed}
         for group in sd["param_groups"]:
             step = float(group.get("step", 0))
             group["step"] = step
@@ -370,7 +440,21 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of CPUAdam, FusedAdam, FusedLamb or
         torch.optim.Adam/AdamW. A state dict of another model is refused
-        before anything changes."""
+        before anything changes.
+
+        The states take this optimizer's format: saved in another dtype they
+        are converted (fp32 -> bf16 rounded to nearest, bf16 -> fp32 exactly)
+        and the log says so (a warning where bits are lost, else info). A
+        bf16-format optimizer takes the saved seed of a bf16-format state dict,
+        so that a resumed run rounds as the uninterrupted one would have."""
+        saved_format = state_dict.get("state_format")
+        known = isinstance(saved_format, dict) and saved_format.get("format") in STATE_FORMATS
+        if saved_format is not None and not known:
+            raise ValueError(
+                f"the state dict's 'state_format' is {saved_format!r}; expected "
+                "{'format': one of " + ", ".join(map(repr, STATE_FORMATS)) + ", 'seed': int or None}"
+            )
+        state_dict = {k: v for k, v in state_dict.items() if k != "state_format"}
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         pairs = []  # (group index, param, saved state)
@@ -391,10 +475,14 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         # torch.optim casts states to the param dtype; take them again from the
         # saved tensors in our state dtype (fp32 states of bf16 params stay fp32).
         steps: dict[int, list[float]] = defaultdict(list)
+        converted: Counter = Counter()  # (saved dtype, our dtype) -> tensors
         for gi, p, src in pairs:
             state = self.state[p]
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = src[key].detach().to(device=p.device, dtype=self._state_dtype(p)).contiguous()
+                dtype = self._state_dtype(p)
+                if src[key].dtype != dtype:
+                    converted[(src[key].dtype, dtype)] += 1
+                state[key] = src[key].detach().to(device=p.device, dtype=dtype).contiguous()
             if self._uses_master(p):
                 master = src.get("master_param", p.detach())
                 state["master_param"] = master.detach().to(device=p.device, dtype=torch.float32).contiguous()
@@ -409,7 +497,32 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
                 group["step"] = int(float(saved["step"]))
             elif steps[gi]:
                 group["step"] = int(max(steps[gi]))
+        if saved_format is not None and saved_format["format"] == "bf16" == self.state_format:
+            check_state_format(type(self).__name__, "bf16", saved_format.get("seed"))
+            if saved_format.get("seed") is not None:
+                self.seed = saved_format["seed"]
         self.sync_steps()
+        if converted:
+            self._log_conversion(saved_format, converted)
+
+    def _log_conversion(self, saved_format: dict | None, converted: Counter) -> None:
+        """The log's note of a load that converted states: a warning where bits
+        were lost (to a 16-bit dtype), else info (to fp32, exact)."""
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        how = ", ".join(
+            f"{n} {name(a)} -> {name(b)} ({'exact' if b == torch.float32 else 'rounded to nearest'})"
+            for (a, b), n in sorted(converted.items(), key=str)
+        )
+        saved = f"state_format={saved_format['format']!r}" if saved_format else "no recorded state format"
+        lossy = any(b != torch.float32 for _, b in converted)
+        log.log(
+            logging.WARNING if lossy else logging.INFO,
+            "%s: converted the state dict's optimizer states (%s) to state_format=%r: %s",
+            type(self).__name__,
+            saved,
+            self.state_format,
+            how,
+        )
 
 
 def as_device_scalar(x: float | Tensor | None, device: torch.device) -> Tensor | None:

@@ -302,16 +302,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastzero.triton_kernels import adam, lamb
 F32_PTRS = {"step_ptr", "grad_scale_ptr", "found_inf_ptr", "clip_ptr", "coeffs_ptr", "sq_ptr", "g_sq_ptr", "out_ptr"}
-def ptx(fn, **const):
+def ptx(fn, fusion=True, **const):
     sig = {n: "constexpr" if n in const else ("*fp32" if n in F32_PTRS else "*i64") if n.endswith("_ptr")
-           else "i32" if n.startswith("n_") else "fp32" for n in fn.arg_names}
+           else "i32" if n.startswith("n_") else "i64" if n.endswith("_bits") or n == "seed_mix" else "fp32"
+           for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    options = {"num_warps": 4, "enable_fp_fusion": fusion}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 B = dict(BLOCK_SIZE=1024, BLOCKS_PER_ITEM=8)
 A = dict(P_DTYPE=tl.float32, M_DTYPE=tl.float32, V_DTYPE=tl.float32, ALIGNED=True)
 F = dict(HAS_GRAD_SCALE=True, HAS_FOUND_INF=True)
 out = [ptx(adam._adam_kernel, **A, G_DTYPE=tl.bfloat16, C_DTYPE=tl.bfloat16, **F, ADAMW=True, BIAS_CORRECTION=True,
-           **B),
+           STOCHASTIC=False, **B),
        ptx(lamb._grad_sq_kernel, G_DTYPE=tl.float16, ALIGNED=True, HAS_GRAD_SCALE=True, **B),
        ptx(lamb._clip_kernel, BLOCK_SIZE=1024),
        ptx(lamb._phase1_kernel, **A, G_DTYPE=tl.float32, **F, HAS_CLIP=True, EPS_INSIDE_SQRT=False, **B),
@@ -321,7 +323,13 @@ out = [ptx(adam._adam_kernel, **A, G_DTYPE=tl.bfloat16, C_DTYPE=tl.bfloat16, **F
        ptx(lamb._phase3_kernel, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, M_DTYPE=tl.bfloat16, V_DTYPE=tl.bfloat16,
            C_DTYPE=None, ALIGNED=False, HAS_GRAD_SCALE=False, HAS_FOUND_INF=False, HAS_CLIP=False,
            BIAS_CORRECTION=False, EPS_INSIDE_SQRT=False, **B)]
-for i in (0, 1, 3, 5):
+# bf16 states by stochastic rounding: the pinned update (launched without fp fusion) has no fp32 multiply-add
+sr = ptx(adam._adam_kernel, False, P_DTYPE=tl.float32, G_DTYPE=tl.bfloat16, M_DTYPE=tl.bfloat16,
+         V_DTYPE=tl.bfloat16, C_DTYPE=tl.bfloat16, ALIGNED=True, **F, ADAMW=False, BIAS_CORRECTION=True,
+         STOCHASTIC=True, **B)
+assert "fma.rn.f32" not in sr, "a multiply-add in the pinned update"
+out.append(sr)
+for i in (0, 1, 3, 5, 7):
     assert "ld.global.v4" in out[i], f"kernel {i}: loads not vectorized"
 assert not any(re.search(r"(div|sqrt)\\.(approx|full)\\.f32", s) for s in out), "approximate div/sqrt"
 print("ok")

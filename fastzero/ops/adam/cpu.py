@@ -25,14 +25,18 @@ def launch(
     hp: AdamHyperparams,
     grad_scale: float | None = None,
     param_copies: list[Tensor] | None = None,
+    state_format: str | None = None,
+    seed: int | None = None,
 ) -> str:
     """Runs lists that were checked (fastzero.checks.check_optimizer_lists):
     one native call per dtype combination. Returns ``"cpu:<isa>"``. The
     hyperparameters cross whole, as the bytes of their C struct; the kernel
-    derives its constants from them (csrc/cpu/adam.cpp)."""
+    derives its constants from them (csrc/cpu/adam.cpp). ``state_format="bf16"``:
+    the (bf16) states are written with stochastic rounding keyed by ``seed``."""
     ops, isa = cpu_ops(), cpu_isa()
     hyper = bytes(hp.c_struct())
     inv_grad_scale = 1.0 if grad_scale is None else 1.0 / grad_scale
+    sr_seed = (0 if seed is None else int(seed)) if state_format == "bf16" else -1
     threads = torch.get_num_threads()
     for (p_dtype, g_dtype, s_dtype, c_dtype), idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
         ops.adam(
@@ -50,6 +54,7 @@ def launch(
             hyper,
             step,
             inv_grad_scale,
+            sr_seed,
             threads,
         )
     return f"cpu:{isa}"
@@ -65,6 +70,8 @@ def cpu_adam_step(
     hp: AdamHyperparams | None = None,
     grad_scale: float | None = None,
     param_copies: list[Tensor] | None = None,
+    state_format: str | None = None,
+    seed: int | None = None,
     backend: str | None = None,
     **hyper,
 ) -> str:
@@ -78,6 +85,14 @@ def cpu_adam_step(
     unscale). ``param_copies`` (fp32 params only): bf16/fp16 tensors that
     receive the updated params in the same pass. Returns the backend that
     ran: ``"cpu:<isa>"`` or ``"reference"``.
+
+    ``state_format``: None (the states as given, fp32 or the param's dtype,
+    rounded to nearest), ``"fp32"`` or ``"param_dtype"`` (the same, checked to
+    be that dtype), or ``"bf16"``: exp_avg/exp_avg_sq are bf16 whatever the
+    param dtype and are written with stochastic rounding keyed by ``seed``
+    (an int in [0, 2^32), default 0), ``step`` and each element's index in its
+    tensor; the results are then the same to the bit on every backend and
+    thread count (the rule: :mod:`fastzero.ops.adam.reference`).
     """
     hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
     which, result = host_step(
@@ -90,5 +105,7 @@ def cpu_adam_step(
         param_copies=param_copies,
         backend=backend,
         hint=_GPU_HINT,
+        state_format=state_format,
+        seed=seed,
     )
     return result if which == "cpu" else "reference"

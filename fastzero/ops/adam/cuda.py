@@ -8,7 +8,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from fastzero.checks import check_device_step
+from fastzero.checks import check_device_step, check_state_format
 from fastzero.native import check_rc, cuda_lib
 from fastzero.ops.adam.hyperparams import AdamHyperparams
 from fastzero.ops.marshal import dtype_codes, dtype_groups, numels, pointers, ptr, stream
@@ -27,6 +27,8 @@ def adam_step(
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     param_copies: list[Tensor] | None = None,
+    state_format: str | None = None,
+    seed: int | None = None,
     **hyper,
 ) -> None:
     r"""One Adam/AdamW step over lists of CUDA tensors:
@@ -37,10 +39,24 @@ def adam_step(
     device holding t >= 1; ``grad_scale`` (grads are divided by it) and
     ``found_inf`` (nonzero: nothing changes) likewise, or None. The work is
     enqueued on the current CUDA stream; nothing waits for it.
+    ``state_format="bf16"``: bf16 states (for params of any dtype) written with
+    stochastic rounding keyed by ``seed`` (default 0), the step and each
+    element's index, the reference's bits (fastzero.ops.adam.reference).
     """
     hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
+    check_state_format("adam_step", state_format, seed)
     scalars = {"step": step, "grad_scale": grad_scale, "found_inf": found_inf}
-    check_device_step("adam_step", params, grads, exp_avgs, exp_avg_sqs, param_copies, scalars, hint=_CPU_HINT)
+    check_device_step(
+        "adam_step",
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        param_copies,
+        scalars,
+        hint=_CPU_HINT,
+        state_format=state_format,
+    )
     launch(
         params,
         grads,
@@ -51,14 +67,30 @@ def adam_step(
         grad_scale=grad_scale,
         found_inf=found_inf,
         param_copies=param_copies,
+        state_format=state_format,
+        seed=seed,
     )
 
 
-def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, found_inf=None, param_copies=None):
+def launch(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    hp,
+    grad_scale=None,
+    found_inf=None,
+    param_copies=None,
+    state_format=None,
+    seed=None,
+):
     """:func:`adam_step` on lists that were checked. The hyperparameters
     cross whole, as one fz_adam_hyper; the kernel derives its constants."""
     if not params:
         return
+    sr_seed = (0 if seed is None else int(seed)) if state_format == "bf16" else -1
     device = params[0].device
     lib = cuda_lib("adam_step")
     hyper = hp.c_struct()  # host memory, copied into the kernels' parameters during each call
@@ -77,6 +109,7 @@ def launch(params, grads, exp_avgs, exp_avg_sqs, *, step, hp, grad_scale=None, f
                 step.data_ptr(),
                 ptr(grad_scale),
                 ptr(found_inf),
+                sr_seed,
                 stream(device),
             )
             check_rc(lib, rc, "adam_step")

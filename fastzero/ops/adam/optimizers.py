@@ -53,9 +53,17 @@ class FusedAdam(AdamFamilyOptimizer):
     the GPU path. ``backend="cuda"|"triton"|"cpu"|"reference"`` forces a
     backend (it beats ``FASTZERO_BACKEND``, which beats the fastest
     available); ``last_backend`` says which ran.
+
+    ``state_format``: ``"fp32"`` (default), ``"param_dtype"``
+    (``fp32_optimizer_states=False``) or ``"bf16"``: exp_avg and exp_avg_sq
+    in bf16 whatever the param dtype (20 bytes per fp32 param moved per step
+    instead of 28), written with stochastic rounding keyed by ``seed``
+    (default 0), the step and each element's index, so the results are the
+    same to the bit on every backend (docs/optimizers.md, "State formats").
     """
 
     family, hyperparams = FAMILY, AdamHyperparams
+    state_formats = ("fp32", "bf16", "param_dtype")
 
     def __init__(
         self,
@@ -71,7 +79,9 @@ class FusedAdam(AdamFamilyOptimizer):
         *,
         adamw_mode: bool | None = None,
         master_weights: bool = False,
-        fp32_optimizer_states: bool = True,
+        fp32_optimizer_states: bool | None = None,
+        state_format: str | None = None,
+        seed: int | None = None,
         backend: str | None = None,
         **hyper: Any,
     ) -> None:
@@ -92,6 +102,8 @@ class FusedAdam(AdamFamilyOptimizer):
             fp32_optimizer_states=fp32_optimizer_states,
             master_weights=master_weights,
             backend=backend,
+            state_format=state_format,
+            seed=seed,
         )
         self.set_grad_none = set_grad_none
 
@@ -124,13 +136,19 @@ class CPUAdam(AdamFamilyOptimizer):
     Args:
         params: parameters (fp32, bf16 or fp16, on the CPU) or param groups.
         fp32_optimizer_states: keep exp_avg/exp_avg_sq in fp32 (default);
-            False keeps them in the param's dtype.
+            False keeps them in the param's dtype (``state_format="param_dtype"``).
         adamw_mode (or ``adam_w_mode``): decoupled weight decay (default).
         amsgrad: not supported; True raises.
+        state_format: ``"fp32"``, ``"param_dtype"`` or ``"bf16"`` (exp_avg and
+            exp_avg_sq in bf16 whatever the param dtype, written with
+            stochastic rounding keyed by ``seed``, default 0, the step and each
+            element's index: the same bits on every ISA, thread count and
+            backend). Given with ``fp32_optimizer_states``, the two must agree.
         backend: ``"cpu"`` or ``"reference"``, beating ``FASTZERO_BACKEND``.
     """
 
     family, hyperparams = FAMILY, AdamHyperparams
+    state_formats = ("fp32", "bf16", "param_dtype")
     _device_hint, _device_types = _GPU_HINT, ("cpu",)
 
     def __init__(
@@ -143,9 +161,11 @@ class CPUAdam(AdamFamilyOptimizer):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         adamw_mode: bool | None = None,
-        fp32_optimizer_states: bool = True,
+        fp32_optimizer_states: bool | None = None,
         *,
         adam_w_mode: bool | None = None,
+        state_format: str | None = None,
+        seed: int | None = None,
         backend: str | None = None,
         **hyper: Any,
     ) -> None:
@@ -162,7 +182,14 @@ class CPUAdam(AdamFamilyOptimizer):
             adamw_mode=_adamw_mode("CPUAdam", adamw_mode, adam_w_mode),
             **hyper,
         )
-        super().__init__(params, hp, fp32_optimizer_states=fp32_optimizer_states, backend=backend)
+        super().__init__(
+            params,
+            hp,
+            fp32_optimizer_states=fp32_optimizer_states,
+            backend=backend,
+            state_format=state_format,
+            seed=seed,
+        )
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 check_cpu_tensor(p, f"param {pi} of group {gi}", gpu_hint=_GPU_HINT)

@@ -1,14 +1,111 @@
-"""Adam/AdamW in plain PyTorch: the math every Adam backend is tested
-against, and the fallback where no faster backend runs."""
+r"""Adam/AdamW in plain PyTorch: the math every Adam backend is tested
+against, and the fallback where no faster backend runs.
+
+Two state formats (``state_format``):
+
+- **as given** (``None``, ``"fp32"``, ``"param_dtype"``): exp_avg and
+  exp_avg_sq are fp32 or the param's dtype and are written rounded to
+  nearest; the math is :func:`adam_step`'s formula in fp32, and backends
+  agree with it to fp32 rounding (they may fuse multiply-adds).
+- **bf16 stochastic** (``"bf16"``): exp_avg and exp_avg_sq are bf16 whatever
+  the param dtype, and are written with :func:`round_bf16_stochastic`, the
+  random bits drawn by :func:`sr_bits` from (seed, step, element index,
+  which state). So that every backend gives the same bits, the fp32 update
+  is pinned to one order of operations, each rounded on its own (no fused
+  multiply-add): :func:`_pinned_update`. Every backend reproduces it bit for
+  bit given the same fp32 constants.
+"""
 
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch import Tensor
 
 from fastzero.ops.adam.hyperparams import AdamHyperparams
+from fastzero.ops.quant.reference import _fmix32, _mul32
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+BF16_NAN = 0x7FC0  # the quiet NaN every bf16 write gives a NaN (as torch's .to(torch.bfloat16))
+
+
+# -- the bf16 stochastic-rounding rule ------------------------------------------------------------
+
+
+def sr_stream(seed: int, step: int) -> int:
+    """The key of one step's random bits: ``fmix32(fmix32(seed) ^ (step mod 2^32))``
+    (``fmix32``: MurmurHash3's finalizer, all arithmetic mod 2^32)."""
+    return _fmix32(_fmix32(seed & _M32) ^ (step & _M32))
+
+
+def sr_bits(seed: int, step: int, index: Tensor) -> tuple[Tensor, Tensor]:
+    """The 16-bit random integers (int64 tensors in [0, 2^16)) that round
+    exp_avg and exp_avg_sq of the elements ``index`` (int64) at ``step``.
+
+    For element ``i`` (its flat index in its tensor, so that the bits depend
+    on neither threads nor chunking), the counter hash of
+    :func:`fastzero.ops.quant.reference.uniform` keyed by :func:`sr_stream`::
+
+        key = fmix32(sr_stream(seed, step) + 0x9E3779B9 * (i >> 32))
+        h   = fmix32((i mod 2^32) ^ key)
+
+    exp_avg takes the low half of ``h`` (``h & 0xFFFF``), exp_avg_sq the high
+    half (``h >> 16``): one hash per element for both states."""
+    i = index.to(torch.int64)
+    key = _fmix32((sr_stream(seed, step) + _mul32(i >> 32, _GOLDEN)) & _M32)
+    h = _fmix32((i & _M32) ^ key)
+    return h & 0xFFFF, h >> 16
+
+
+def round_bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
+    """fp32 ``x`` to bf16 by stochastic rounding with the 16-bit integers ``r``:
+    add ``r`` to x's bit pattern and keep its top 16 bits (truncate). x rounds
+    away from zero with probability (its low 16 bits) / 2^16, so the result's
+    mean is exactly x. A NaN becomes the quiet NaN 0x7FC0 (no carry from its
+    payload into the sign); inf, zeros (with their sign), subnormals and
+    exactly representable values are unchanged or rounded by the same rule.
+    No saturation: a finite x beyond bf16's largest finite value (3.39e38,
+    within fp32's top 0.4%) rounds to inf with that probability, as the carry
+    into the exponent gives."""
+    b = x.float().contiguous().view(torch.int32).to(torch.int64) & _M32
+    y = torch.where(torch.isnan(x), BF16_NAN, (b + r) >> 16)
+    return torch.where(y >= 0x8000, y - 0x10000, y).to(torch.int16).view(torch.bfloat16)
+
+
+# -- the step ---------------------------------------------------------------------------------------
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to fp32 (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _pinned_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, h: AdamHyperparams, step: int, grad_scale):
+    """The bf16 format's fp32 update, in the order every backend follows, each
+    op rounded to fp32 on its own. The constants are computed in double (as
+    Python floats are) and rounded to fp32 once. Returns (p, m, v) in fp32."""
+    bc1 = 1.0 - h.beta1**step if h.bias_correction else 1.0
+    bc2 = 1.0 - h.beta2**step if h.bias_correction else 1.0
+    c = lambda x: torch.tensor(_f32(x), dtype=torch.float32)  # noqa: E731
+    inv_scale = 1.0 if grad_scale is None else 1.0 / grad_scale
+    decay = 1.0 - h.lr * h.weight_decay if h.adamw_mode else 1.0
+    l2 = 0.0 if h.adamw_mode else h.weight_decay
+    w = _f32(1.0 - h.beta1)  # torch's lerp: m + w (g - m) for w < 0.5, else g + (w - 1)(g - m)
+    g = g * c(inv_scale)
+    if _f32(l2) != 0.0:  # the kernels skip the no-op terms (an inf param stays inf)
+        g = g + c(l2) * p
+    if _f32(decay) != 1.0:
+        p = p * c(decay)
+    m = (m + c(w) * (g - m)) if w < 0.5 else (g + c(w - 1.0) * (g - m))
+    v = c(h.beta2) * v + (c(1.0 - h.beta2) * g) * g
+    # IEEE sqrt, correctly rounded: torch's fp32 sqrt on CPU is not always (Sleef's, within 1 ulp); the
+    # double sqrt rounded to fp32 is (53 >= 2 * 24 + 2 bits: the double rounding is innocuous)
+    denom = v.double().sqrt().float() * c(1.0 / math.sqrt(bc2)) + c(h.eps)
+    p = p - c(h.lr / bc1) * (m / denom)
+    return p, m, v
 
 
 @torch.no_grad()
@@ -22,6 +119,8 @@ def adam_step(
     hp: AdamHyperparams | None = None,
     grad_scale: float | None = None,
     param_copies: list[Tensor] | None = None,
+    state_format: str | None = None,
+    seed: int | None = None,
     **hyper,
 ) -> None:
     r"""One Adam/AdamW step, in fp32 whatever the storage dtypes, in place.
@@ -37,12 +136,27 @@ def adam_step(
             \qquad bc_i = 1 - \beta_i^{t} \text{ (1 without bias correction)}
 
     ``param_copies`` (optional) receive the updated params in their own dtype.
+    ``state_format="bf16"``: the states are bf16 and are written with
+    stochastic rounding keyed by ``seed`` (default 0) and ``step``; the fp32
+    math is then :func:`_pinned_update` (``g`` multiplied by ``1/s`` rounded to
+    fp32, no fused multiply-add), which every backend follows to the bit.
     """
     h = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
+    copies = param_copies if param_copies is not None else [None] * len(params)
+    if state_format == "bf16":
+        seed = 0 if seed is None else seed
+        for p, g, m, v, cp in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
+            p32, m32, v32 = _pinned_update(p.float(), g.float(), m.float(), v.float(), h, step, grad_scale)
+            r_m, r_v = sr_bits(seed, step, torch.arange(p.numel(), device=p.device))
+            p.copy_(p32.view(p.shape))
+            m.copy_(round_bf16_stochastic(m32.reshape(-1), r_m).view(m.shape))
+            v.copy_(round_bf16_stochastic(v32.reshape(-1), r_v).view(v.shape))
+            if cp is not None:
+                cp.copy_(p32.view(cp.shape))
+        return
     lr, beta1, beta2, eps, weight_decay = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
     bc1 = 1.0 - beta1**step if h.bias_correction else 1.0
     bc2 = 1.0 - beta2**step if h.bias_correction else 1.0
-    copies = param_copies if param_copies is not None else [None] * len(params)
     for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
         g32 = g.float() if grad_scale is None else g.float() / grad_scale
         p32 = p.float().clone()
