@@ -52,15 +52,28 @@ def check_contiguous(t: Tensor, what: str) -> None:
         raise ValueError(f"{what} is not contiguous; pass t.contiguous() (the kernel updates memory in place)")
 
 
-STATE_FORMATS = ("fp32", "bf16", "param_dtype")
+STATE_FORMATS = ("fp32", "bf16", "param_dtype", "int8")
+INT8_BLOCK_SIZES = tuple(1 << k for k in range(6, 13))  # 64 .. 4096 (fastzero/ops/adam/int8_codes.py)
 
 
-def check_state_format(op: str, state_format: str | None, seed: int | None) -> None:
+def check_state_format(op: str, state_format: str | None, seed: int | None, block_size: int | None = None) -> None:
     """``state_format`` one of :data:`STATE_FORMATS` or None (the states as
     given); ``seed`` (stochastic rounding's) an int in [0, 2^32), and only
-    with ``state_format="bf16"``, the one format that rounds stochastically."""
+    with ``state_format="bf16"``, the one format that rounds stochastically;
+    ``block_size`` only with ``"int8"``, a power of two from 64 to 4096."""
     if state_format is not None and state_format not in STATE_FORMATS:
         raise ValueError(f"{op}: state_format={state_format!r}; known: {', '.join(map(repr, STATE_FORMATS))}")
+    if block_size is not None:
+        if state_format != "int8":
+            raise ValueError(
+                f"{op}: block_size={block_size!r} is the block of int8 states' scales, which only "
+                f"state_format='int8' has (state_format={state_format!r})"
+            )
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in INT8_BLOCK_SIZES:
+            raise ValueError(
+                f"{op}: block_size={block_size!r}; int8 states take a power of two from 64 to 4096 "
+                f"({', '.join(map(str, INT8_BLOCK_SIZES))}; default 256)"
+            )
     if seed is None:
         return
     if state_format != "bf16":
@@ -70,6 +83,37 @@ def check_state_format(op: str, state_format: str | None, seed: int | None) -> N
         )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"{op}: seed must be an int in [0, 2**32), got {seed!r}")
+
+
+def check_int8_scales(
+    scales: list[Tensor] | None,
+    params: list[Tensor],
+    what: str,
+    block_size: int,
+    *,
+    device_type: str = "cpu",
+) -> None:
+    """The block scales of int8 states: one fp32 list entry per param, each
+    contiguous, on the params' device, with ceil(numel / block_size) elements."""
+    if scales is None:
+        raise ValueError(f"state_format='int8' needs {what}: one fp32 tensor of block scales per param")
+    if len(scales) != len(params):
+        raise ValueError(f"{len(params)} params but {len(scales)} {what}")
+    for i, (s, p) in enumerate(zip(scales, params)):
+        name = f"{what}[{i}]"
+        if not isinstance(s, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
+        if s.device.type != device_type or (device_type != "cpu" and s.device != p.device):
+            raise ValueError(f"{name} is on {s.device}; it must be on the param's device ({p.device})")
+        if s.dtype != torch.float32:
+            raise TypeError(f"{name} has dtype {s.dtype}; int8 states' block scales are float32")
+        blocks = -(-p.numel() // block_size)
+        if s.numel() != blocks:
+            raise ValueError(
+                f"{name} has {s.numel()} elements; params[{i}] ({p.numel()} elements) has {blocks} blocks of "
+                f"{block_size}: one scale per block"
+            )
+        check_contiguous(s, name)
 
 
 def check_optimizer_lists(
@@ -83,13 +127,23 @@ def check_optimizer_lists(
     device_type: str = "cpu",
     hint: str = "",
     state_format: str | None = None,
+    exp_avg_absmax: list[Tensor] | None = None,
+    exp_avg_sq_absmax: list[Tensor] | None = None,
+    block_size: int | None = None,
 ) -> None:
     """The tensor lists of a functional optimizer step: equal lengths; params
     fp32/bf16/fp16 and grads of any of these, of the param's size; states
     fp32 or the param's dtype (``state_format``: ``"fp32"`` fp32 only,
-    ``"param_dtype"`` the param's only, ``"bf16"`` bf16 whatever the param's);
-    copies bf16/fp16 of fp32 params; all dense, contiguous and on `device_type`."""
+    ``"param_dtype"`` the param's only, ``"bf16"`` bf16 whatever the param's,
+    ``"int8"`` uint8 codes with their block scales in ``exp_avg_absmax`` and
+    ``exp_avg_sq_absmax``); copies bf16/fp16 of fp32 params; all dense,
+    contiguous and on `device_type`."""
     n = len(params)
+    if state_format != "int8" and (exp_avg_absmax is not None or exp_avg_sq_absmax is not None):
+        raise ValueError(
+            f"{op}: exp_avg_absmax / exp_avg_sq_absmax are the block scales of int8 states; "
+            f"pass them with state_format='int8' (state_format={state_format!r})"
+        )
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if param_copies is not None:
         lists["param_copies"] = param_copies
@@ -102,6 +156,9 @@ def check_optimizer_lists(
         check_tensor(g, f"grads[{i}]", device_type=device_type, hint=hint)
         check_same_size(g, p, f"grads[{i}]", f"params[{i}]")
         for name, s in (("exp_avgs", m), ("exp_avg_sqs", v)):
+            if state_format == "int8":
+                _check_codes(s, p, f"{name}[{i}]", f"params[{i}]", device_type, hint)
+                continue
             check_tensor(s, f"{name}[{i}]", device_type=device_type, hint=hint)
             check_same_size(s, p, f"{name}[{i}]", f"params[{i}]")
             allowed = {
@@ -135,6 +192,22 @@ def check_optimizer_lists(
                     f"param_copies[{i}] ({c.dtype}) for params[{i}] ({p.dtype}): copies are bf16/fp16 "
                     "copies of fp32 master params"
                 )
+    if state_format == "int8":
+        block = 256 if block_size is None else block_size
+        check_int8_scales(exp_avg_absmax, params, "exp_avg_absmax", block, device_type=device_type)
+        check_int8_scales(exp_avg_sq_absmax, params, "exp_avg_sq_absmax", block, device_type=device_type)
+
+
+def _check_codes(s: Tensor, p: Tensor, what: str, p_what: str, device_type: str, hint: str) -> None:
+    """An int8 state's codes: uint8, of the param's size, contiguous, on its device."""
+    if not isinstance(s, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(s).__name__}")
+    if s.device.type != device_type:
+        raise ValueError(f"{what} is on {s.device}; this op updates {device_type} tensors{hint}")
+    if s.dtype != torch.uint8:
+        raise TypeError(f"{what} is {s.dtype}; int8 states (state_format='int8') are uint8 codes")
+    check_same_size(s, p, what, p_what)
+    check_contiguous(s, what)
 
 
 def check_step(op: str, step: int) -> None:
@@ -173,11 +246,14 @@ def check_device_step(
     device_types: tuple[str, ...] = ("cuda",),
     hint: str = "",
     state_format: str | None = None,
+    exp_avg_absmax: list[Tensor] | None = None,
+    exp_avg_sq_absmax: list[Tensor] | None = None,
+    block_size: int | None = None,
 ) -> torch.device | None:
     """The inputs of a device kernel's optimizer step: the lists as
-    :func:`check_optimizer_lists` wants them, all on one device of
-    `device_types`, and its scalars (``step`` required) on that device.
-    Returns the device (None for empty lists)."""
+    :func:`check_optimizer_lists` wants them (int8 states: with their block
+    scales), all on one device of `device_types`, and its scalars (``step``
+    required) on that device. Returns the device (None for empty lists)."""
     for name, t in scalars.items():
         check_device_scalar(t, name, None, required=name == "step")
     device_type = params[0].device.type if params and isinstance(params[0], Tensor) else device_types[0]
@@ -193,12 +269,16 @@ def check_device_step(
         device_type=device_type,
         hint=hint,
         state_format=state_format,
+        exp_avg_absmax=exp_avg_absmax,
+        exp_avg_sq_absmax=exp_avg_sq_absmax,
+        block_size=block_size,
     )
     if not params:
         return None
     device = params[0].device
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    for name, seq in (*lists.items(), ("param_copies", param_copies or [])):
+    scales = {"exp_avg_absmax": exp_avg_absmax or [], "exp_avg_sq_absmax": exp_avg_sq_absmax or []}
+    for name, seq in (*lists.items(), ("param_copies", param_copies or []), *scales.items()):
         for i, t in enumerate(seq):
             if t.device != device:
                 raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}; one call, one device")

@@ -65,6 +65,13 @@ AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scal
 }  // namespace
 }  // namespace fz
 
+// GCC 12 warns, inside avx512fintrin.h, that the self-initialized
+// _mm512_undefined_* operands of the intrinsics the int8 kernel inlines
+// (the block maxima) are uninitialized: a false positive (as in quant.cpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 #define FZ_KERNEL_BODY "adam_kernel.inc"
 #include "isa_regions.inc"
 
@@ -73,6 +80,8 @@ namespace fz {
 AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy) {
   return FZ_ISA_PICK(isa, adam_pick(p, g, s, copy));
 }
+
+AdamInt8Fn adam_int8_fn(Isa isa, int p, int g, int copy) { return FZ_ISA_PICK(isa, adam_int8_pick(p, g, copy)); }
 
 void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<uintptr_t>& g, const std::vector<uintptr_t>& m,
@@ -91,6 +100,24 @@ void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
     fn(reinterpret_cast<char*>(p[t]) + off * ps, reinterpret_cast<const char*>(g[t]) + off * gs,
        reinterpret_cast<char*>(m[t]) + off * ss, reinterpret_cast<char*>(v[t]) + off * ss, c,
        n, off, k);
+  });
+}
+
+void adam_int8_multi_tensor(AdamInt8Fn fn, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
+                            const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
+                            const std::vector<uintptr_t>& copy, const std::vector<uintptr_t>& m_scale,
+                            const std::vector<uintptr_t>& v_scale, const std::vector<int64_t>& numel, int p_dtype,
+                            int g_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
+                            double inv_grad_scale, int64_t block, int num_threads) {
+  const AdamConsts k = adam_consts(hyper, step, inv_grad_scale, 0);
+  // Segments start at multiples of kChunkElements in their tensor, so at block edges.
+  static_assert(kChunkElements % 4096 == 0, "chunks start at block edges");
+  const int64_t ps = dtype_size(p_dtype), gs = dtype_size(g_dtype), cs = dtype_size(c_dtype);
+  for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t n) {
+    char* c = copy.empty() ? nullptr : reinterpret_cast<char*>(copy[t]) + off * cs;
+    fn(reinterpret_cast<char*>(p[t]) + off * ps, reinterpret_cast<const char*>(g[t]) + off * gs,
+       reinterpret_cast<uint8_t*>(m[t]) + off, reinterpret_cast<uint8_t*>(v[t]) + off, c,
+       reinterpret_cast<float*>(m_scale[t]), reinterpret_cast<float*>(v_scale[t]), n, off, k, block);
   });
 }
 

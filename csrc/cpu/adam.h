@@ -25,6 +25,15 @@ using AdamSegmentFn = void (*)(void* p, const void* g, void* m, void* v, void* c
 // rounding, for params of any dtype (copies as with fp32 states).
 AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy);
 
+// The int8-state kernel (adam_int8_kernel.inc) for this ISA and dtype
+// combination, or nullptr: params fp32 (copy none, fp16 or bf16) or fp16/bf16
+// (no copy), grads any of the three. Updates elements [first, first + n) of
+// one tensor, `first` a multiple of `block`; m, v: its uint8 codes, ms, vs:
+// its fp32 block scales (all of them: index = element / block).
+using AdamInt8Fn = void (*)(void* p, const void* g, uint8_t* m, uint8_t* v, void* copy, float* ms, float* vs,
+                            int64_t n, int64_t first, const AdamConsts& k, int64_t block);
+AdamInt8Fn adam_int8_fn(Isa isa, int p, int g, int copy);
+
 // The state code of bf16 states written with stochastic rounding (the
 // dtype_dispatch.inc constant, outside the ISA namespaces).
 constexpr int kAdamStatesBF16SR = 3;
@@ -39,5 +48,14 @@ void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<int64_t>& numel, int p_dtype, int g_dtype,
                        int s_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
                        double inv_grad_scale, uint32_t sr_seed, int num_threads);
+
+// One pass over a list of tensors with int8 states (state_format="int8"):
+// block a power of two in [64, 4096], scales one fp32 per block per tensor.
+void adam_int8_multi_tensor(AdamInt8Fn fn, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
+                            const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
+                            const std::vector<uintptr_t>& copy, const std::vector<uintptr_t>& m_scale,
+                            const std::vector<uintptr_t>& v_scale, const std::vector<int64_t>& numel, int p_dtype,
+                            int g_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
+                            double inv_grad_scale, int64_t block, int num_threads);
 
 }  // namespace fz

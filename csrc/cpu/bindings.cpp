@@ -84,6 +84,29 @@ void check_lists(const char* what, size_t n, std::initializer_list<size_t> sizes
     if (k != n) throw std::invalid_argument(std::string(what) + ": tensor lists differ in length");
 }
 
+void adam_int8(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
+               const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
+               const std::vector<uintptr_t>& m_scale, const std::vector<uintptr_t>& v_scale,
+               const std::vector<int64_t>& numel, int p_dtype, int g_dtype, int c_dtype, const py::bytes& hyper,
+               double step, double inv_grad_scale, int64_t block, int num_threads) {
+  const fz_adam_hyper h = hyper_from<fz_adam_hyper>(hyper, "adam_int8", "fz_adam_hyper");
+  check_lists("adam_int8", numel.size(), {p.size(), g.size(), m.size(), v.size(), m_scale.size(), v_scale.size()});
+  if (!copy.empty()) check_lists("adam_int8", numel.size(), {copy.size()});
+  if (copy.empty() != (c_dtype == fz::kNone))
+    throw std::invalid_argument("adam_int8: copy list and copy dtype disagree");
+  for (int64_t k : numel)
+    if (k < 0) throw std::invalid_argument("adam_int8: negative element count");
+  if (block < 64 || block > 4096 || (block & (block - 1)) != 0)
+    throw std::invalid_argument("adam_int8: block must be a power of two in [64, 4096], got " + std::to_string(block));
+  fz::AdamInt8Fn fn = fz::adam_int8_fn(checked_isa(isa), p_dtype, g_dtype, c_dtype);
+  if (fn == nullptr)
+    throw std::invalid_argument("adam_int8: no kernel for dtype codes param=" + std::to_string(p_dtype) +
+                                " grad=" + std::to_string(g_dtype) + " copy=" + std::to_string(c_dtype));
+  py::gil_scoped_release release;
+  fz::adam_int8_multi_tensor(fn, p, g, m, v, copy, m_scale, v_scale, numel, p_dtype, g_dtype, c_dtype, h, step,
+                             inv_grad_scale, block, num_threads);
+}
+
 double lamb_grad_sumsq(int isa, const std::vector<uintptr_t>& g, const std::vector<int64_t>& numel,
                        int g_dtype, double inv_grad_scale, int num_threads) {
   check_lists("lamb_grad_sumsq", numel.size(), {g.size()});
@@ -221,6 +244,9 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.def("adam", &adam,
         "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h); hyper: the bytes of an fz_adam_hyper; "
         "sr_seed >= 0: bf16 states written with stochastic rounding keyed by it, -1: round to nearest.");
+  m.def("adam_int8", &adam_int8,
+        "Multi-tensor Adam/AdamW step with int8 block-wise states: uint8 codes and fp32 block scales "
+        "(see csrc/cpu/adam_int8_kernel.inc).");
   m.def("lamb_grad_sumsq", &lamb_grad_sumsq, "LAMB pass 0: sum of squares of the unscaled grads.");
   m.def("lamb_norms", &lamb_norms,
         "LAMB pass 1: update m, v; returns each tensor's trust ratio (hyper: an fz_lamb_hyper's bytes).");

@@ -26,11 +26,22 @@ def host_step(
     **formats: Any,
 ) -> tuple[str, Any]:
     """(the backend that ran, its result) of one step over checked lists.
-    ``formats``: the family's ``state_format=`` and ``seed=`` (Adam), checked
-    and passed on when given."""
+    ``formats``: the family's ``state_format=``, ``seed=`` and, for int8
+    states, ``exp_avg_absmax=``, ``exp_avg_sq_absmax=`` and ``block_size=``
+    (Adam), checked and passed on when given (None values are dropped)."""
+    formats = {k: v for k, v in formats.items() if v is not None}
     if formats:
-        check_state_format(op, formats.get("state_format"), formats.get("seed"))
-    check_optimizer_lists(op, *tensors, param_copies, hint=hint, state_format=formats.get("state_format"))
+        check_state_format(op, formats.get("state_format"), formats.get("seed"), formats.get("block_size"))
+    check_optimizer_lists(
+        op,
+        *tensors,
+        param_copies,
+        hint=hint,
+        state_format=formats.get("state_format"),
+        exp_avg_absmax=formats.get("exp_avg_absmax"),
+        exp_avg_sq_absmax=formats.get("exp_avg_sq_absmax"),
+        block_size=formats.get("block_size"),
+    )
     check_grad_scale(grad_scale)
     check_step(op, step)
     which = family.choose("cpu", backend).backend

@@ -17,6 +17,8 @@ from torch import Tensor
 
 from fastzero.checks import STATE_FORMATS, check_optimizer_lists, check_same_size, check_state_format, check_tensor
 from fastzero.native import DTYPE_CODES
+from fastzero.ops.adam import state_formats
+from fastzero.ops.adam.int8_codes import DEFAULT_BLOCK
 from fastzero.ops.backend import Family
 from fastzero.ops.hyperparams import Hyperparams
 
@@ -31,15 +33,16 @@ def resolve_state_format(
     state_format: str | None,
     fp32_optimizer_states: bool | None,
     seed: int | None,
-) -> tuple[str, int | None]:
-    """(state format, seed) of an optimizer from its keywords.
+    block_size: int | None = None,
+) -> tuple[str, int | None, int | None]:
+    """(state format, seed, block size) of an optimizer from its keywords.
 
     ``fp32_optimizer_states`` is DeepSpeed's yes/no: True (or not given) is
     ``"fp32"``, False is ``"param_dtype"`` (the param's dtype, rounded to
     nearest). ``state_format`` names the format; given both, they must agree
     on whether the states are fp32 (True only with ``"fp32"``, False only with
     another format). ``seed`` (default 0) only with ``"bf16"``, which rounds
-    stochastically."""
+    stochastically; ``block_size`` (default 256) only with ``"int8"``."""
     if fp32_optimizer_states is not None and not (
         isinstance(fp32_optimizer_states, bool) or fp32_optimizer_states in (0, 1)
     ):
@@ -59,10 +62,11 @@ def resolve_state_format(
     if fmt not in supported:
         raise ValueError(
             f"{owner}: state_format={fmt!r} is not implemented here; it writes {', '.join(map(repr, supported))} "
-            "(bf16 stochastic-rounding states are Adam's: CPUAdam, FusedAdam)"
+            "(bf16 and int8 states are Adam's: CPUAdam, FusedAdam)"
         )
-    check_state_format(owner, fmt, seed)
-    return fmt, ((0 if seed is None else seed) if fmt == "bf16" else None)
+    check_state_format(owner, fmt, seed, block_size)
+    seed = (0 if seed is None else seed) if fmt == "bf16" else None
+    return fmt, seed, ((DEFAULT_BLOCK if block_size is None else block_size) if fmt == "int8" else None)
 
 
 @dataclass
@@ -76,6 +80,8 @@ class GroupLists:
     grads: list[Tensor] = field(default_factory=list)
     exp_avgs: list[Tensor] = field(default_factory=list)
     exp_avg_sqs: list[Tensor] = field(default_factory=list)
+    exp_avg_absmax: list[Tensor] = field(default_factory=list)  # int8 states: their block scales
+    exp_avg_sq_absmax: list[Tensor] = field(default_factory=list)
     param_copies: list[Tensor] | None = None
     staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (param, contiguous copy) to write back
     resized: bool = False  # some tensor's size differs from its param's: the full checks name it
@@ -127,8 +133,10 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     ``"param_dtype"`` (``fp32_optimizer_states=False``: the param's dtype, or
     fp32 where a master copy is kept); ``"bf16"`` (families that list it in
     ``state_formats``: bf16 whatever the param, written with stochastic
-    rounding keyed by ``seed``, the step and the element's index). With
-    ``master_weights``, ``master_param`` (fp32) for bf16/fp16 params. The step
+    rounding keyed by ``seed``, the step and the element's index); ``"int8"``
+    (Adam: uint8 codes, with ``exp_avg_absmax`` and ``exp_avg_sq_absmax``, one
+    fp32 scale per ``block_size`` elements; :mod:`fastzero.ops.adam.int8_codes`).
+    With ``master_weights``, ``master_param`` (fp32) for bf16/fp16 params. The step
     ``t`` is counted per param group in ``group["step"]``: a Python int for
     CPU groups, a 0-d fp32 tensor on the device for GPU groups (so that a
     step skipped on ``found_inf`` is undone on the device, without a sync).
@@ -146,7 +154,8 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     ``found_inf``. Grads are divided by ``grad_scale`` inside the kernel; when
     ``found_inf`` is nonzero nothing changes and the step does not count.
 
-    ``state_dict()`` also records ``"state_format"``: ``{"format", "seed"}``.
+    ``state_dict()`` also records ``"state_format"``: ``{"format", "seed"}``
+    (and ``"block_size"`` for int8).
     :meth:`load_state_dict` converts states saved in another format (or by
     torch.optim) to this optimizer's, and logs that it did.
     """
@@ -169,13 +178,15 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         backend: str | None = None,
         state_format: str | None = None,
         seed: int | None = None,
+        block_size: int | None = None,
     ) -> None:
-        fmt, seed = resolve_state_format(
-            type(self).__name__, self.state_formats, state_format, fp32_optimizer_states, seed
+        fmt, seed, block_size = resolve_state_format(
+            type(self).__name__, self.state_formats, state_format, fp32_optimizer_states, seed, block_size
         )
         super().__init__(params, {**hp.group_defaults(), "amsgrad": False})
         self.state_format = fmt
         self.seed = seed  # stochastic rounding's (bf16 states), else None
+        self.block_size = block_size  # int8 states' scale blocks, else None
         self.fp32_optimizer_states = fmt == "fp32"  # DeepSpeed's attribute
         self.master_weights = master_weights
         self.force_backend = backend  # None: FASTZERO_BACKEND, else the fastest here
@@ -211,13 +222,20 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
 
     # -- the step ---------------------------------------------------------------
     def _state_dtype(self, p: Tensor) -> torch.dtype:
-        if self.state_format == "bf16":
-            return torch.bfloat16
-        return torch.float32 if self.state_format == "fp32" or self._uses_master(p) else p.dtype
+        return state_formats.state_dtype(self.state_format, p, self._uses_master(p))
 
-    def _format_args(self) -> dict:
-        """The state format's arguments of a functional step (bf16 states only)."""
-        return {"state_format": "bf16", "seed": self.seed} if self.state_format == "bf16" else {}
+    def _format_args(self, lists: GroupLists) -> dict:
+        """The state format's arguments of a functional step (bf16 and int8 states)."""
+        if self.state_format == "bf16":
+            return {"state_format": "bf16", "seed": self.seed}
+        if self.state_format == "int8":
+            return {
+                "state_format": "int8",
+                "exp_avg_absmax": lists.exp_avg_absmax,
+                "exp_avg_sq_absmax": lists.exp_avg_sq_absmax,
+                "block_size": self.block_size,
+            }
+        return {}
 
     def _uses_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype != torch.float32
@@ -294,7 +312,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         self.last_backend = backend
         run = self.family.impl(backend)
         tensors = (lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs)
-        fmt = self._format_args()
+        fmt = self._format_args(lists)
         if backend in HOST_BACKENDS:
             if found_inf is not None and lists.device.type != "cpu" and bool(found_inf):
                 return  # the reference on a GPU: a host sync, the fallback's price
@@ -320,7 +338,13 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         :meth:`_gather`'s per-step size comparison finds a mismatch (a param
         resized through ``p.data``, a grad of another size: torch checks a
         grad's shape only when it is assigned)."""
-        key = (tuple(map(id, lists.params)), tuple(map(id, lists.exp_avgs)), tuple(map(id, lists.exp_avg_sqs)))
+        key = (
+            tuple(map(id, lists.params)),
+            tuple(map(id, lists.exp_avgs)),
+            tuple(map(id, lists.exp_avg_sqs)),
+            tuple(map(id, lists.exp_avg_absmax)),
+            tuple(map(id, lists.exp_avg_sq_absmax)),
+        )
         if not lists.resized and self._checked.get(gi) == key:
             return
         if lists.device.type not in self._device_types:
@@ -337,7 +361,10 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             lists.param_copies,
             device_type=lists.device.type,
             hint=self._device_hint,
-            state_format="bf16" if self.state_format == "bf16" else None,
+            state_format=self.state_format if self.state_format in ("bf16", "int8") else None,
+            exp_avg_absmax=lists.exp_avg_absmax if self.state_format == "int8" else None,
+            exp_avg_sq_absmax=lists.exp_avg_sq_absmax if self.state_format == "int8" else None,
+            block_size=self.block_size,
         )
         self._checked[gi] = key
 
@@ -397,6 +424,9 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             lists.grads.append(g if g.is_contiguous() else g.contiguous())
             lists.exp_avgs.append(m)
             lists.exp_avg_sqs.append(state["exp_avg_sq"])
+            if self.state_format == "int8":
+                lists.exp_avg_absmax.append(state["exp_avg_absmax"])
+                lists.exp_avg_sq_absmax.append(state["exp_avg_sq_absmax"])
         return lists
 
     @staticmethod
@@ -414,9 +444,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         return state
 
     def _init_state(self, p: Tensor, state: dict) -> None:
-        dtype = self._state_dtype(p)
-        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+        state.update(state_formats.new_state(self.state_format, p, master=self._uses_master(p), block=self.block_size))
         if self._uses_master(p):
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
 
@@ -424,10 +452,13 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout: per-param ``step`` (a float32 tensor),
         ``exp_avg``, ``exp_avg_sq`` (and ``master_param``), so torch.optim.AdamW
-        can load it; and ``"state_format"``: ``{"format": ..., "seed": ...}``
-        (torch.optim ignores it)."""
+        can load it (not int8 states: their codes are bytes, see
+        :meth:`load_state_dict`); and ``"state_format"``: ``{"format": ...,
+        "seed": ...}`` (int8: and ``"block_size"``; torch.optim ignores it)."""
         sd = super().state_dict()
         sd["state_format"] = {"format": self.state_format, "seed": self.seed}
+        if self.state_format == "int8":
+            sd["state_format"]["block_size"] = self.block_size
         for group in sd["param_groups"]:
             step = float(group.get("step", 0))
             group["step"] = step
@@ -442,18 +473,17 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         torch.optim.Adam/AdamW. A state dict of another model is refused
         before anything changes.
 
-        The states take this optimizer's format: saved in another dtype they
-        are converted (fp32 -> bf16 rounded to nearest, bf16 -> fp32 exactly)
-        and the log says so (a warning where bits are lost, else info). A
-        bf16-format optimizer takes the saved seed of a bf16-format state dict,
-        so that a resumed run rounds as the uninterrupted one would have."""
-        saved_format = state_dict.get("state_format")
-        known = isinstance(saved_format, dict) and saved_format.get("format") in STATE_FORMATS
-        if saved_format is not None and not known:
-            raise ValueError(
-                f"the state dict's 'state_format' is {saved_format!r}; expected "
-                "{'format': one of " + ", ".join(map(repr, STATE_FORMATS)) + ", 'seed': int or None}"
-            )
+        The states take this optimizer's format: saved in another one they
+        are converted through fp32 (fp32 -> bf16 rounded to nearest, bf16 ->
+        fp32 exactly, int8 decoded, to int8 encoded with fresh block scales,
+        int8 of another block size decoded and encoded again) and the log
+        says so (a warning where bits are lost, else info). A bf16-format
+        optimizer takes the saved seed of a bf16-format state dict, so that a
+        resumed run rounds as the uninterrupted one would have; int8 states
+        of the same block size are taken as they are (to the bit)."""
+        saved_format = _saved_format(state_dict.get("state_format"))
+        saved_fmt = saved_format["format"] if saved_format else None
+        saved_block = saved_format.get("block_size") if saved_fmt == "int8" else None
         state_dict = {k: v for k, v in state_dict.items() if k != "state_format"}
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
@@ -470,22 +500,42 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
                             "it was not saved by an Adam-family optimizer"
                         )
                     check_same_size(src[key], p, f"saved {key} of param {pi} of group {gi}", "the param")
+                if saved_fmt == "int8":
+                    _check_saved_int8(src, p, saved_block, f"param {pi} of group {gi}")
                 pairs.append((gi, p, src))
         super().load_state_dict(state_dict)  # checks group and param counts
         # torch.optim casts states to the param dtype; take them again from the
-        # saved tensors in our state dtype (fp32 states of bf16 params stay fp32).
+        # saved tensors in our state format (fp32 states of bf16 params stay fp32).
         steps: dict[int, list[float]] = defaultdict(list)
-        converted: Counter = Counter()  # (saved dtype, our dtype) -> tensors
+        converted: Counter = Counter()  # (saved, ours, exact) -> tensors
         for gi, p, src in pairs:
             state = self.state[p]
-            for key in ("exp_avg", "exp_avg_sq"):
+            master = self._uses_master(p)
+            for key in state_formats.SCALE_KEYS:
+                state.pop(key, None)
+            if "int8" in (saved_fmt, self.state_format) and (saved_fmt, saved_block) != (
+                self.state_format,
+                self.block_size,
+            ):
+                m32, v32 = state_formats.to_fp32(saved_fmt or "fp32", src, saved_block)
+                state.update(state_formats.from_fp32(self.state_format, m32, v32, p, master=master, block=self.block_size))
+                saved_what = state_formats.describe("int8", saved_block) if saved_fmt == "int8" else _name(src["exp_avg"].dtype)
+                ours = state_formats.describe("int8", self.block_size)
+                if self.state_format != "int8":
+                    ours = _name(state["exp_avg"].dtype)
+                converted[(saved_what, ours, self.state_format == "fp32")] += 2
+            else:
                 dtype = self._state_dtype(p)
-                if src[key].dtype != dtype:
-                    converted[(src[key].dtype, dtype)] += 1
-                state[key] = src[key].detach().to(device=p.device, dtype=dtype).contiguous()
-            if self._uses_master(p):
-                master = src.get("master_param", p.detach())
-                state["master_param"] = master.detach().to(device=p.device, dtype=torch.float32).contiguous()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if src[key].dtype != dtype:
+                        converted[(_name(src[key].dtype), _name(dtype), dtype == torch.float32)] += 1
+                    state[key] = src[key].detach().to(device=p.device, dtype=dtype).contiguous()
+                if self.state_format == "int8":
+                    for key in state_formats.SCALE_KEYS:
+                        state[key] = src[key].detach().to(device=p.device, dtype=torch.float32).contiguous()
+            if master:
+                source = src.get("master_param", p.detach())
+                state["master_param"] = source.detach().to(device=p.device, dtype=torch.float32).contiguous()
             else:
                 state.pop("master_param", None)
             step = state.pop("step", 0)
@@ -497,7 +547,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
                 group["step"] = int(float(saved["step"]))
             elif steps[gi]:
                 group["step"] = int(max(steps[gi]))
-        if saved_format is not None and saved_format["format"] == "bf16" == self.state_format:
+        if saved_fmt == "bf16" == self.state_format:
             check_state_format(type(self).__name__, "bf16", saved_format.get("seed"))
             if saved_format.get("seed") is not None:
                 self.seed = saved_format["seed"]
@@ -507,14 +557,13 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
 
     def _log_conversion(self, saved_format: dict | None, converted: Counter) -> None:
         """The log's note of a load that converted states: a warning where bits
-        were lost (to a 16-bit dtype), else info (to fp32, exact)."""
-        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        were lost (to a 16-bit or 8-bit format), else info (to fp32, exact)."""
         how = ", ".join(
-            f"{n} {name(a)} -> {name(b)} ({'exact' if b == torch.float32 else 'rounded to nearest'})"
-            for (a, b), n in sorted(converted.items(), key=str)
+            f"{n} {a} -> {b} ({'exact' if exact else 'rounded to nearest'})"
+            for (a, b, exact), n in sorted(converted.items(), key=str)
         )
         saved = f"state_format={saved_format['format']!r}" if saved_format else "no recorded state format"
-        lossy = any(b != torch.float32 for _, b in converted)
+        lossy = any(not exact for _, _, exact in converted)
         log.log(
             logging.WARNING if lossy else logging.INFO,
             "%s: converted the state dict's optimizer states (%s) to state_format=%r: %s",
@@ -523,6 +572,43 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             self.state_format,
             how,
         )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _saved_format(record: Any) -> dict | None:
+    """A state dict's ``state_format`` record, checked (None: not recorded)."""
+    if record is None:
+        return None
+    known = isinstance(record, dict) and record.get("format") in STATE_FORMATS
+    if not known:
+        raise ValueError(
+            f"the state dict's 'state_format' is {record!r}; expected "
+            "{'format': one of " + ", ".join(map(repr, STATE_FORMATS)) + ", 'seed': int or None}"
+        )
+    if record["format"] == "int8":
+        check_state_format("the state dict's state_format", "int8", None, record.get("block_size"))
+        if record.get("block_size") is None:
+            raise ValueError(f"the state dict's 'state_format' is {record!r}: int8 states need their 'block_size'")
+    return record
+
+
+def _check_saved_int8(src: dict, p: Tensor, block: int, what: str) -> None:
+    """A saved int8 state: uint8 codes and fp32 block scales of the right counts."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if src[key].dtype != torch.uint8:
+            raise ValueError(f"the saved {key} of {what} is {src[key].dtype}; int8 states are uint8 codes")
+    blocks = -(-p.numel() // block)
+    for key in state_formats.SCALE_KEYS:
+        t = src.get(key)
+        if not isinstance(t, Tensor) or t.numel() != blocks:
+            got = "missing" if not isinstance(t, Tensor) else f"{t.numel()} elements"
+            raise ValueError(
+                f"the saved {key} of {what} is {got}; int8 states of {p.numel()} elements in blocks of {block} "
+                f"have {blocks} scales"
+            )
 
 
 def as_device_scalar(x: float | Tensor | None, device: torch.device) -> Tensor | None:

@@ -9,6 +9,7 @@ from torch import Tensor
 from fastzero.native import DTYPE_CODES, ISA_NAMES, NO_DTYPE, cpu_isa, cpu_ops
 from fastzero.ops.adam.backends import FAMILY
 from fastzero.ops.adam.hyperparams import AdamHyperparams
+from fastzero.ops.adam.int8_codes import DEFAULT_BLOCK
 from fastzero.ops.host_step import host_step
 from fastzero.ops.marshal import dtype_groups
 
@@ -27,18 +28,47 @@ def launch(
     param_copies: list[Tensor] | None = None,
     state_format: str | None = None,
     seed: int | None = None,
+    exp_avg_absmax: list[Tensor] | None = None,
+    exp_avg_sq_absmax: list[Tensor] | None = None,
+    block_size: int | None = None,
 ) -> str:
     """Runs lists that were checked (fastzero.checks.check_optimizer_lists):
     one native call per dtype combination. Returns ``"cpu:<isa>"``. The
     hyperparameters cross whole, as the bytes of their C struct; the kernel
     derives its constants from them (csrc/cpu/adam.cpp). ``state_format="bf16"``:
-    the (bf16) states are written with stochastic rounding keyed by ``seed``."""
+    the (bf16) states are written with stochastic rounding keyed by ``seed``;
+    ``"int8"``: uint8 codes with fp32 block scales (csrc/cpu/adam_int8_kernel.inc)."""
     ops, isa = cpu_ops(), cpu_isa()
     hyper = bytes(hp.c_struct())
     inv_grad_scale = 1.0 if grad_scale is None else 1.0 / grad_scale
     sr_seed = (0 if seed is None else int(seed)) if state_format == "bf16" else -1
     threads = torch.get_num_threads()
-    for (p_dtype, g_dtype, s_dtype, c_dtype), idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
+    groups = dtype_groups(params, grads, exp_avgs, param_copies)
+    if state_format == "int8":
+        block = DEFAULT_BLOCK if block_size is None else block_size
+        ptrs = lambda ts, idx: [ts[i].data_ptr() for i in idx]  # noqa: E731
+        for (p_dtype, g_dtype, _, c_dtype), idx in groups.items():
+            ops.adam_int8(
+                ISA_NAMES.index(isa),
+                ptrs(params, idx),
+                ptrs(grads, idx),
+                ptrs(exp_avgs, idx),
+                ptrs(exp_avg_sqs, idx),
+                [] if c_dtype is None else ptrs(param_copies, idx),
+                ptrs(exp_avg_absmax, idx),
+                ptrs(exp_avg_sq_absmax, idx),
+                [params[i].numel() for i in idx],
+                DTYPE_CODES[p_dtype],
+                DTYPE_CODES[g_dtype],
+                DTYPE_CODES.get(c_dtype, NO_DTYPE),
+                hyper,
+                step,
+                inv_grad_scale,
+                block,
+                threads,
+            )
+        return f"cpu:{isa}"
+    for (p_dtype, g_dtype, s_dtype, c_dtype), idx in groups.items():
         ops.adam(
             ISA_NAMES.index(isa),
             [params[i].data_ptr() for i in idx],
@@ -72,6 +102,9 @@ def cpu_adam_step(
     param_copies: list[Tensor] | None = None,
     state_format: str | None = None,
     seed: int | None = None,
+    exp_avg_absmax: list[Tensor] | None = None,
+    exp_avg_sq_absmax: list[Tensor] | None = None,
+    block_size: int | None = None,
     backend: str | None = None,
     **hyper,
 ) -> str:
@@ -92,7 +125,12 @@ def cpu_adam_step(
     param dtype and are written with stochastic rounding keyed by ``seed``
     (an int in [0, 2^32), default 0), ``step`` and each element's index in its
     tensor; the results are then the same to the bit on every backend and
-    thread count (the rule: :mod:`fastzero.ops.adam.reference`).
+    thread count (the rule: :mod:`fastzero.ops.adam.reference`). ``"int8"``:
+    exp_avg/exp_avg_sq are uint8 codes, one byte per element, and
+    ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` their fp32 block scales (one per
+    ``block_size`` elements, default 256, a power of two from 64 to 4096),
+    decoded, updated and encoded again in the one pass, to the bit of the
+    reference on every backend (:mod:`fastzero.ops.adam.int8_codes`).
     """
     hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
     which, result = host_step(
@@ -107,5 +145,8 @@ def cpu_adam_step(
         hint=_GPU_HINT,
         state_format=state_format,
         seed=seed,
+        exp_avg_absmax=exp_avg_absmax,
+        exp_avg_sq_absmax=exp_avg_sq_absmax,
+        block_size=block_size,
     )
     return result if which == "cpu" else "reference"

@@ -59,11 +59,15 @@ class FusedAdam(AdamFamilyOptimizer):
     in bf16 whatever the param dtype (20 bytes per fp32 param moved per step
     instead of 28), written with stochastic rounding keyed by ``seed``
     (default 0), the step and each element's index, so the results are the
-    same to the bit on every backend (docs/optimizers.md, "State formats").
+    same to the bit on every backend (docs/optimizers.md, "State formats");
+    or ``"int8"``: one byte per element and one fp32 scale per ``block_size``
+    elements (default 256) for each of them (16 bytes moved per fp32 param),
+    decoded, updated and encoded again in the one pass
+    (:mod:`fastzero.ops.adam.int8_codes`).
     """
 
     family, hyperparams = FAMILY, AdamHyperparams
-    state_formats = ("fp32", "bf16", "param_dtype")
+    state_formats = ("fp32", "bf16", "param_dtype", "int8")
 
     def __init__(
         self,
@@ -82,6 +86,7 @@ class FusedAdam(AdamFamilyOptimizer):
         fp32_optimizer_states: bool | None = None,
         state_format: str | None = None,
         seed: int | None = None,
+        block_size: int | None = None,
         backend: str | None = None,
         **hyper: Any,
     ) -> None:
@@ -104,6 +109,7 @@ class FusedAdam(AdamFamilyOptimizer):
             backend=backend,
             state_format=state_format,
             seed=seed,
+            block_size=block_size,
         )
         self.set_grad_none = set_grad_none
 
@@ -148,7 +154,7 @@ class CPUAdam(AdamFamilyOptimizer):
     """
 
     family, hyperparams = FAMILY, AdamHyperparams
-    state_formats = ("fp32", "bf16", "param_dtype")
+    state_formats = ("fp32", "bf16", "param_dtype", "int8")
     _device_hint, _device_types = _GPU_HINT, ("cpu",)
 
     def __init__(
@@ -166,6 +172,7 @@ class CPUAdam(AdamFamilyOptimizer):
         adam_w_mode: bool | None = None,
         state_format: str | None = None,
         seed: int | None = None,
+        block_size: int | None = None,
         backend: str | None = None,
         **hyper: Any,
     ) -> None:
@@ -189,6 +196,7 @@ class CPUAdam(AdamFamilyOptimizer):
             backend=backend,
             state_format=state_format,
             seed=seed,
+            block_size=block_size,
         )
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):

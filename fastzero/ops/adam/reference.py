@@ -10,10 +10,16 @@ Two state formats (``state_format``):
 - **bf16 stochastic** (``"bf16"``): exp_avg and exp_avg_sq are bf16 whatever
   the param dtype, and are written with :func:`round_bf16_stochastic`, the
   random bits drawn by :func:`sr_bits` from (seed, step, element index,
-  which state). So that every backend gives the same bits, the fp32 update
-  is pinned to one order of operations, each rounded on its own (no fused
-  multiply-add): :func:`_pinned_update`. Every backend reproduces it bit for
-  bit given the same fp32 constants.
+  which state).
+- **int8 block-wise** (``"int8"``): exp_avg and exp_avg_sq are one byte per
+  element plus one fp32 scale per block of ``block_size`` elements
+  (:mod:`fastzero.ops.adam.int8_codes`): decoded, updated and encoded again
+  in the one pass.
+
+So that every backend gives the same bits, the fp32 update of the bf16 and
+int8 formats is pinned to one order of operations, each rounded on its own
+(no fused multiply-add): :func:`_pinned_update`. Every backend reproduces it
+bit for bit given the same fp32 constants.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import struct
 import torch
 from torch import Tensor
 
+from fastzero.ops.adam import int8_codes
 from fastzero.ops.adam.hyperparams import AdamHyperparams
 from fastzero.ops.quant.reference import _fmix32, _mul32
 
@@ -121,6 +128,9 @@ def adam_step(
     param_copies: list[Tensor] | None = None,
     state_format: str | None = None,
     seed: int | None = None,
+    exp_avg_absmax: list[Tensor] | None = None,
+    exp_avg_sq_absmax: list[Tensor] | None = None,
+    block_size: int | None = None,
     **hyper,
 ) -> None:
     r"""One Adam/AdamW step, in fp32 whatever the storage dtypes, in place.
@@ -140,9 +150,31 @@ def adam_step(
     stochastic rounding keyed by ``seed`` (default 0) and ``step``; the fp32
     math is then :func:`_pinned_update` (``g`` multiplied by ``1/s`` rounded to
     fp32, no fused multiply-add), which every backend follows to the bit.
+
+    ``state_format="int8"``: exp_avgs and exp_avg_sqs are uint8 codes, with
+    their block scales in ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32,
+    one per ``block_size`` elements, default 256): decoded, updated by
+    :func:`_pinned_update` and encoded again (:mod:`int8_codes`), scales
+    included.
     """
     h = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
     copies = param_copies if param_copies is not None else [None] * len(params)
+    if state_format == "int8":
+        block = int8_codes.DEFAULT_BLOCK if block_size is None else block_size
+        m_code, v_code = int8_codes.EXP_AVG, int8_codes.EXP_AVG_SQ
+        states = zip(exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, strict=True)
+        for p, g, (m, v, ms, vs), cp in zip(params, grads, states, copies, strict=True):
+            m32 = int8_codes.dequantize(m_code, m, ms, block).reshape(-1)
+            v32 = int8_codes.dequantize(v_code, v, vs, block).reshape(-1)
+            p32, m32, v32 = _pinned_update(p.float().reshape(-1), g.float().reshape(-1), m32, v32, h, step, grad_scale)
+            p.copy_(p32.view(p.shape))
+            for codes, scales, x, code in ((m, ms, m32, m_code), (v, vs, v32, v_code)):
+                new_codes, new_scales = int8_codes.quantize(code, x, block)
+                codes.copy_(new_codes.view(codes.shape))
+                scales.copy_(new_scales)
+            if cp is not None:
+                cp.copy_(p32.view(cp.shape))
+        return
     if state_format == "bf16":
         seed = 0 if seed is None else seed
         for p, g, m, v, cp in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):

@@ -464,6 +464,8 @@ def test_functional_step_checks_states_against_the_format(isa):
     with pytest.raises(ValueError, match="only state_format='bf16'"):
         cpu_adam_step([p], [g], [m32], [v32], step=1, seed=1)
     with pytest.raises(ValueError, match="known"):
+        cpu_adam_step([p], [g], [m32], [v32], step=1, state_format="int4")
+    with pytest.raises(TypeError, match="uint8 codes"):
         cpu_adam_step([p], [g], [m32], [v32], step=1, state_format="int8")
     cpu_adam_step([p], [g], [m16], [v16], step=1, state_format="bf16", seed=2**32 - 1)
 
