@@ -518,8 +518,12 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
                 self.block_size,
             ):
                 m32, v32 = state_formats.to_fp32(saved_fmt or "fp32", src, saved_block)
-                state.update(state_formats.from_fp32(self.state_format, m32, v32, p, master=master, block=self.block_size))
-                saved_what = state_formats.describe("int8", saved_block) if saved_fmt == "int8" else _name(src["exp_avg"].dtype)
+                state.update(
+                    state_formats.from_fp32(self.state_format, m32, v32, p, master=master, block=self.block_size)
+                )
+                saved_what = (
+                    state_formats.describe("int8", saved_block) if saved_fmt == "int8" else _name(src["exp_avg"].dtype)
+                )
                 ours = state_formats.describe("int8", self.block_size)
                 if self.state_format != "int8":
                     ours = _name(state["exp_avg"].dtype)
