@@ -77,11 +77,13 @@ AdamConsts adam_consts(const fz_adam_hyper& h, double step, double inv_grad_scal
 
 namespace fz {
 
-AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy) {
-  return FZ_ISA_PICK(isa, adam_pick(p, g, s, copy));
+AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy, bool sr_params) {
+  return FZ_ISA_PICK(isa, adam_pick(p, g, s, copy, sr_params));
 }
 
-AdamInt8Fn adam_int8_fn(Isa isa, int p, int g, int copy) { return FZ_ISA_PICK(isa, adam_int8_pick(p, g, copy)); }
+AdamInt8Fn adam_int8_fn(Isa isa, int p, int g, int copy, bool sr_params) {
+  return FZ_ISA_PICK(isa, adam_int8_pick(p, g, copy, sr_params));
+}
 
 void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<uintptr_t>& g, const std::vector<uintptr_t>& m,
@@ -108,8 +110,8 @@ void adam_int8_multi_tensor(AdamInt8Fn fn, const std::vector<uintptr_t>& p, cons
                             const std::vector<uintptr_t>& copy, const std::vector<uintptr_t>& m_scale,
                             const std::vector<uintptr_t>& v_scale, const std::vector<int64_t>& numel, int p_dtype,
                             int g_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
-                            double inv_grad_scale, int64_t block, int num_threads) {
-  const AdamConsts k = adam_consts(hyper, step, inv_grad_scale, 0);
+                            double inv_grad_scale, int64_t block, uint32_t sr_seed, int num_threads) {
+  const AdamConsts k = adam_consts(hyper, step, inv_grad_scale, sr_seed);
   // Segments start at multiples of kChunkElements in their tensor, so at block edges.
   static_assert(kChunkElements % 4096 == 0, "chunks start at block edges");
   const int64_t ps = dtype_size(p_dtype), gs = dtype_size(g_dtype), cs = dtype_size(c_dtype);

@@ -23,7 +23,9 @@ using AdamSegmentFn = void (*)(void* p, const void* g, void* m, void* v, void* c
 // fp32 or the param dtype, no copy); grads any of the three. State code
 // kBF16SR (3, dtype_dispatch.inc): bf16 states written with stochastic
 // rounding, for params of any dtype (copies as with fp32 states).
-AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy);
+// sr_params: bf16 params written with stochastic rounding (bf16_stochastic_round;
+// p must be bf16, else nullptr).
+AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy, bool sr_params);
 
 // The int8-state kernel (adam_int8_kernel.inc) for this ISA and dtype
 // combination, or nullptr: params fp32 (copy none, fp16 or bf16) or fp16/bf16
@@ -32,7 +34,7 @@ AdamSegmentFn adam_segment_fn(Isa isa, int p, int g, int s, int copy);
 // its fp32 block scales (all of them: index = element / block).
 using AdamInt8Fn = void (*)(void* p, const void* g, uint8_t* m, uint8_t* v, void* copy, float* ms, float* vs,
                             int64_t n, int64_t first, const AdamConsts& k, int64_t block);
-AdamInt8Fn adam_int8_fn(Isa isa, int p, int g, int copy);
+AdamInt8Fn adam_int8_fn(Isa isa, int p, int g, int copy, bool sr_params);
 
 // The state code of bf16 states written with stochastic rounding (the
 // dtype_dispatch.inc constant, outside the ISA namespaces).
@@ -41,7 +43,8 @@ constexpr int kAdamStatesBF16SR = 3;
 // One pass over a list of tensors with the same dtypes, split evenly across
 // num_threads threads by element count. `copy` is empty or one per tensor.
 // step: t >= 1; inv_grad_scale: the grads are multiplied by it (fused unscale);
-// sr_seed: the seed of stochastic rounding (used by kBF16SR kernels only).
+// sr_seed: the seed of stochastic rounding (kBF16SR states, bf16 params written
+// with stochastic rounding).
 void adam_multi_tensor(AdamSegmentFn fn, const std::vector<uintptr_t>& p,
                        const std::vector<uintptr_t>& g, const std::vector<uintptr_t>& m,
                        const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
@@ -56,6 +59,6 @@ void adam_int8_multi_tensor(AdamInt8Fn fn, const std::vector<uintptr_t>& p, cons
                             const std::vector<uintptr_t>& copy, const std::vector<uintptr_t>& m_scale,
                             const std::vector<uintptr_t>& v_scale, const std::vector<int64_t>& numel, int p_dtype,
                             int g_dtype, int c_dtype, const fz_adam_hyper& hyper, double step,
-                            double inv_grad_scale, int64_t block, int num_threads);
+                            double inv_grad_scale, int64_t block, uint32_t sr_seed, int num_threads);
 
 }  // namespace fz

@@ -50,11 +50,21 @@ T hyper_from(const py::bytes& bytes, const char* op, const char* type) {
   return h;
 }
 
+// seed: of stochastic rounding, in [0, 2^32); sr_states: bf16 states written
+// with it, sr_params: bf16 params written with it (else round to nearest).
+void check_sr(const char* op, int64_t seed, bool sr_params, int p_dtype) {
+  if (seed < 0 || seed > int64_t(0xffffffffu))
+    throw std::invalid_argument(std::string(op) + ": seed must be in [0, 2^32)");
+  if (sr_params && p_dtype != fz::kBF16)
+    throw std::invalid_argument(std::string(op) + ": stochastic rounding of params needs bf16 params (dtype code " +
+                                std::to_string(fz::kBF16) + "), got " + std::to_string(p_dtype));
+}
+
 void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>& g,
           const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v,
           const std::vector<uintptr_t>& copy, const std::vector<int64_t>& numel, int p_dtype,
           int g_dtype, int s_dtype, int c_dtype, const py::bytes& hyper, double step,
-          double inv_grad_scale, int64_t sr_seed, int num_threads) {
+          double inv_grad_scale, int64_t seed, bool sr_states, bool sr_params, int num_threads) {
   const fz_adam_hyper h = hyper_from<fz_adam_hyper>(hyper, "adam", "fz_adam_hyper");
   const size_t n = numel.size();
   if (p.size() != n || g.size() != n || m.size() != n || v.size() != n ||
@@ -62,21 +72,19 @@ void adam(int isa, const std::vector<uintptr_t>& p, const std::vector<uintptr_t>
     throw std::invalid_argument("adam: tensor lists differ in length");
   for (int64_t k : numel)
     if (k < 0) throw std::invalid_argument("adam: negative element count");
-  // sr_seed >= 0: bf16 states written with stochastic rounding keyed by it; -1: round to nearest.
-  if (sr_seed < -1 || sr_seed > int64_t(0xffffffffu))
-    throw std::invalid_argument("adam: sr_seed must be -1 (round to nearest) or in [0, 2^32)");
-  if (sr_seed >= 0 && s_dtype != fz::kBF16)
+  check_sr("adam", seed, sr_params, p_dtype);
+  if (sr_states && s_dtype != fz::kBF16)
     throw std::invalid_argument("adam: stochastic rounding needs bf16 states (state dtype code " +
                                 std::to_string(fz::kBF16) + "), got " + std::to_string(s_dtype));
-  const int s_code = sr_seed >= 0 ? fz::kAdamStatesBF16SR : s_dtype;
-  fz::AdamSegmentFn fn = fz::adam_segment_fn(checked_isa(isa), p_dtype, g_dtype, s_code, c_dtype);
+  const int s_code = sr_states ? fz::kAdamStatesBF16SR : s_dtype;
+  fz::AdamSegmentFn fn = fz::adam_segment_fn(checked_isa(isa), p_dtype, g_dtype, s_code, c_dtype, sr_params);
   if (fn == nullptr)
     throw std::invalid_argument("adam: no kernel for dtype codes param=" + std::to_string(p_dtype) +
                                 " grad=" + std::to_string(g_dtype) + " state=" +
                                 std::to_string(s_dtype) + " copy=" + std::to_string(c_dtype));
   py::gil_scoped_release release;
   fz::adam_multi_tensor(fn, p, g, m, v, copy, numel, p_dtype, g_dtype, s_code, c_dtype, h, step,
-                        inv_grad_scale, uint32_t(sr_seed >= 0 ? sr_seed : 0), num_threads);
+                        inv_grad_scale, uint32_t(seed), num_threads);
 }
 
 void check_lists(const char* what, size_t n, std::initializer_list<size_t> sizes) {
@@ -88,7 +96,7 @@ void adam_int8(int isa, const std::vector<uintptr_t>& p, const std::vector<uintp
                const std::vector<uintptr_t>& m, const std::vector<uintptr_t>& v, const std::vector<uintptr_t>& copy,
                const std::vector<uintptr_t>& m_scale, const std::vector<uintptr_t>& v_scale,
                const std::vector<int64_t>& numel, int p_dtype, int g_dtype, int c_dtype, const py::bytes& hyper,
-               double step, double inv_grad_scale, int64_t block, int num_threads) {
+               double step, double inv_grad_scale, int64_t block, int64_t seed, bool sr_params, int num_threads) {
   const fz_adam_hyper h = hyper_from<fz_adam_hyper>(hyper, "adam_int8", "fz_adam_hyper");
   check_lists("adam_int8", numel.size(), {p.size(), g.size(), m.size(), v.size(), m_scale.size(), v_scale.size()});
   if (!copy.empty()) check_lists("adam_int8", numel.size(), {copy.size()});
@@ -98,13 +106,14 @@ void adam_int8(int isa, const std::vector<uintptr_t>& p, const std::vector<uintp
     if (k < 0) throw std::invalid_argument("adam_int8: negative element count");
   if (block < 64 || block > 4096 || (block & (block - 1)) != 0)
     throw std::invalid_argument("adam_int8: block must be a power of two in [64, 4096], got " + std::to_string(block));
-  fz::AdamInt8Fn fn = fz::adam_int8_fn(checked_isa(isa), p_dtype, g_dtype, c_dtype);
+  check_sr("adam_int8", seed, sr_params, p_dtype);
+  fz::AdamInt8Fn fn = fz::adam_int8_fn(checked_isa(isa), p_dtype, g_dtype, c_dtype, sr_params);
   if (fn == nullptr)
     throw std::invalid_argument("adam_int8: no kernel for dtype codes param=" + std::to_string(p_dtype) +
                                 " grad=" + std::to_string(g_dtype) + " copy=" + std::to_string(c_dtype));
   py::gil_scoped_release release;
   fz::adam_int8_multi_tensor(fn, p, g, m, v, copy, m_scale, v_scale, numel, p_dtype, g_dtype, c_dtype, h, step,
-                             inv_grad_scale, block, num_threads);
+                             inv_grad_scale, block, uint32_t(seed), num_threads);
 }
 
 double lamb_grad_sumsq(int isa, const std::vector<uintptr_t>& g, const std::vector<int64_t>& numel,
@@ -243,7 +252,7 @@ PYBIND11_MODULE(_cpu_ops, m) {
   }, "sizeof each family's hyperparameter struct in this build (csrc/common/hyperparams.h).");
   m.def("adam", &adam,
         "Multi-tensor Adam/AdamW step (see csrc/cpu/adam.h); hyper: the bytes of an fz_adam_hyper; "
-        "sr_seed >= 0: bf16 states written with stochastic rounding keyed by it, -1: round to nearest.");
+        "seed: of stochastic rounding; sr_states / sr_params: bf16 states / bf16 params written with it.");
   m.def("adam_int8", &adam_int8,
         "Multi-tensor Adam/AdamW step with int8 block-wise states: uint8 codes and fp32 block scales "
         "(see csrc/cpu/adam_int8_kernel.inc).");

@@ -31,7 +31,13 @@ def host_step(
     (Adam), checked and passed on when given (None values are dropped)."""
     formats = {k: v for k, v in formats.items() if v is not None}
     if formats:
-        check_state_format(op, formats.get("state_format"), formats.get("seed"), formats.get("block_size"))
+        check_state_format(
+            op,
+            formats.get("state_format"),
+            formats.get("seed"),
+            formats.get("block_size"),
+            formats.get("bf16_stochastic_round"),
+        )
     check_optimizer_lists(
         op,
         *tensors,

@@ -34,6 +34,7 @@ def resolve_state_format(
     fp32_optimizer_states: bool | None,
     seed: int | None,
     block_size: int | None = None,
+    bf16_stochastic_round: bool = False,
 ) -> tuple[str, int | None, int | None]:
     """(state format, seed, block size) of an optimizer from its keywords.
 
@@ -41,8 +42,9 @@ def resolve_state_format(
     ``"fp32"``, False is ``"param_dtype"`` (the param's dtype, rounded to
     nearest). ``state_format`` names the format; given both, they must agree
     on whether the states are fp32 (True only with ``"fp32"``, False only with
-    another format). ``seed`` (default 0) only with ``"bf16"``, which rounds
-    stochastically; ``block_size`` (default 256) only with ``"int8"``."""
+    another format). ``seed`` (default 0) only with ``"bf16"`` or
+    ``bf16_stochastic_round``, which round stochastically; ``block_size``
+    (default 256) only with ``"int8"``."""
     if fp32_optimizer_states is not None and not (
         isinstance(fp32_optimizer_states, bool) or fp32_optimizer_states in (0, 1)
     ):
@@ -64,8 +66,8 @@ def resolve_state_format(
             f"{owner}: state_format={fmt!r} is not implemented here; it writes {', '.join(map(repr, supported))} "
             "(bf16 and int8 states are Adam's: CPUAdam, FusedAdam)"
         )
-    check_state_format(owner, fmt, seed, block_size)
-    seed = (0 if seed is None else seed) if fmt == "bf16" else None
+    check_state_format(owner, fmt, seed, block_size, bf16_stochastic_round)
+    seed = (0 if seed is None else seed) if fmt == "bf16" or bf16_stochastic_round else None
     return fmt, seed, ((DEFAULT_BLOCK if block_size is None else block_size) if fmt == "int8" else None)
 
 
@@ -179,14 +181,25 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         state_format: str | None = None,
         seed: int | None = None,
         block_size: int | None = None,
+        bf16_stochastic_round: bool = False,
     ) -> None:
+        owner = type(self).__name__
+        if bf16_stochastic_round and master_weights:
+            raise ValueError(
+                f"{owner}: bf16_stochastic_round=True writes bf16 params without an fp32 master, and "
+                "master_weights=True keeps one; pick one (the master keeps every bit, stochastic rounding "
+                "saves its 4 bytes per param)"
+            )
+        if bf16_stochastic_round and "bf16" not in self.state_formats:
+            raise ValueError(f"{owner}: bf16_stochastic_round is Adam's (CPUAdam, FusedAdam)")
         fmt, seed, block_size = resolve_state_format(
-            type(self).__name__, self.state_formats, state_format, fp32_optimizer_states, seed, block_size
+            owner, self.state_formats, state_format, fp32_optimizer_states, seed, block_size, bf16_stochastic_round
         )
         super().__init__(params, {**hp.group_defaults(), "amsgrad": False})
         self.state_format = fmt
         self.seed = seed  # stochastic rounding's (bf16 states), else None
         self.block_size = block_size  # int8 states' scale blocks, else None
+        self.bf16_stochastic_round = bool(bf16_stochastic_round)  # bf16 params written with stochastic rounding
         self.fp32_optimizer_states = fmt == "fp32"  # DeepSpeed's attribute
         self.master_weights = master_weights
         self.force_backend = backend  # None: FASTZERO_BACKEND, else the fastest here
@@ -225,17 +238,19 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         return state_formats.state_dtype(self.state_format, p, self._uses_master(p))
 
     def _format_args(self, lists: GroupLists) -> dict:
-        """The state format's arguments of a functional step (bf16 and int8 states)."""
+        """The state format's arguments of a functional step (bf16 and int8
+        states, bf16 params written with stochastic rounding)."""
+        args = {"bf16_stochastic_round": True, "seed": self.seed} if self.bf16_stochastic_round else {}
         if self.state_format == "bf16":
-            return {"state_format": "bf16", "seed": self.seed}
-        if self.state_format == "int8":
-            return {
-                "state_format": "int8",
-                "exp_avg_absmax": lists.exp_avg_absmax,
-                "exp_avg_sq_absmax": lists.exp_avg_sq_absmax,
-                "block_size": self.block_size,
-            }
-        return {}
+            args.update(state_format="bf16", seed=self.seed)
+        elif self.state_format == "int8":
+            args.update(
+                state_format="int8",
+                exp_avg_absmax=lists.exp_avg_absmax,
+                exp_avg_sq_absmax=lists.exp_avg_sq_absmax,
+                block_size=self.block_size,
+            )
+        return args
 
     def _uses_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype != torch.float32
@@ -320,6 +335,11 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             step = int(step)
             self._keep(gi, run(*tensors, step=step, hp=hp, grad_scale=scale, param_copies=lists.param_copies, **fmt))
             return
+        if self.bf16_stochastic_round:
+            raise NotImplementedError(
+                f"{type(self).__name__}: bf16_stochastic_round runs on the cpu and reference backends so far, "
+                f"not {backend!r}; use master_weights=True (an fp32 master) on this device"
+            )
         device = lists.device
         run(
             *tensors,
@@ -551,10 +571,10 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
                 group["step"] = int(float(saved["step"]))
             elif steps[gi]:
                 group["step"] = int(max(steps[gi]))
-        if saved_fmt == "bf16" == self.state_format:
-            check_state_format(type(self).__name__, "bf16", saved_format.get("seed"))
-            if saved_format.get("seed") is not None:
-                self.seed = saved_format["seed"]
+        saved_seed = saved_format.get("seed") if saved_format else None
+        if saved_seed is not None and self.seed is not None:  # both round stochastically: go on with its bits
+            check_state_format(type(self).__name__, "bf16", saved_seed)
+            self.seed = saved_seed
         self.sync_steps()
         if converted:
             self._log_conversion(saved_format, converted)

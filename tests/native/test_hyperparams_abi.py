@@ -108,7 +108,7 @@ def test_bindings_refuse_bytes_of_the_wrong_size():
         pytest.skip("no native CPU kernels")
     hyper = bytes(AdamHyperparams().c_struct())
     with pytest.raises(ValueError, match=rf"hyperparameters are {len(hyper) + 8} bytes.*fz_adam_hyper is {len(hyper)}"):
-        ops.adam(0, [], [], [], [], [], [], 0, 0, 0, -1, hyper + bytes(8), 1, 1.0, -1, 1)
+        ops.adam(0, [], [], [], [], [], [], 0, 0, 0, -1, hyper + bytes(8), 1, 1.0, 0, False, False, 1)
     lamb = bytes(LambHyperparams().c_struct())
     with pytest.raises(ValueError, match="fz_lamb_hyper"):
         ops.lamb_norms(0, lamb[:-1], [], [], [], [], [], 0, 0, 0, 1.0, 0.0, 1)

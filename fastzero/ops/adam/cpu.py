@@ -31,17 +31,20 @@ def launch(
     exp_avg_absmax: list[Tensor] | None = None,
     exp_avg_sq_absmax: list[Tensor] | None = None,
     block_size: int | None = None,
+    bf16_stochastic_round: bool = False,
 ) -> str:
     """Runs lists that were checked (fastzero.checks.check_optimizer_lists):
     one native call per dtype combination. Returns ``"cpu:<isa>"``. The
     hyperparameters cross whole, as the bytes of their C struct; the kernel
     derives its constants from them (csrc/cpu/adam.cpp). ``state_format="bf16"``:
     the (bf16) states are written with stochastic rounding keyed by ``seed``;
-    ``"int8"``: uint8 codes with fp32 block scales (csrc/cpu/adam_int8_kernel.inc)."""
+    ``"int8"``: uint8 codes with fp32 block scales (csrc/cpu/adam_int8_kernel.inc).
+    ``bf16_stochastic_round``: bf16 params are written with stochastic rounding."""
     ops, isa = cpu_ops(), cpu_isa()
     hyper = bytes(hp.c_struct())
     inv_grad_scale = 1.0 if grad_scale is None else 1.0 / grad_scale
-    sr_seed = (0 if seed is None else int(seed)) if state_format == "bf16" else -1
+    seed = 0 if seed is None else int(seed)
+    sr_params = lambda p_dtype: bool(bf16_stochastic_round) and p_dtype == torch.bfloat16  # noqa: E731
     threads = torch.get_num_threads()
     groups = dtype_groups(params, grads, exp_avgs, param_copies)
     if state_format == "int8":
@@ -65,6 +68,8 @@ def launch(
                 step,
                 inv_grad_scale,
                 block,
+                seed,
+                sr_params(p_dtype),
                 threads,
             )
         return f"cpu:{isa}"
@@ -84,7 +89,9 @@ def launch(
             hyper,
             step,
             inv_grad_scale,
-            sr_seed,
+            seed,
+            state_format == "bf16",
+            sr_params(p_dtype),
             threads,
         )
     return f"cpu:{isa}"
@@ -105,6 +112,7 @@ def cpu_adam_step(
     exp_avg_absmax: list[Tensor] | None = None,
     exp_avg_sq_absmax: list[Tensor] | None = None,
     block_size: int | None = None,
+    bf16_stochastic_round: bool | None = None,
     backend: str | None = None,
     **hyper,
 ) -> str:
@@ -131,6 +139,11 @@ def cpu_adam_step(
     ``block_size`` elements, default 256, a power of two from 64 to 4096),
     decoded, updated and encoded again in the one pass, to the bit of the
     reference on every backend (:mod:`fastzero.ops.adam.int8_codes`).
+
+    ``bf16_stochastic_round``: bf16 params (kept without an fp32 master) are
+    written with stochastic rounding keyed by ``seed``, the step and each
+    element's index, after the pinned update (any state format); params of
+    other dtypes as without it.
     """
     hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
     which, result = host_step(
@@ -148,5 +161,6 @@ def cpu_adam_step(
         exp_avg_absmax=exp_avg_absmax,
         exp_avg_sq_absmax=exp_avg_sq_absmax,
         block_size=block_size,
+        bf16_stochastic_round=bf16_stochastic_round or None,
     )
     return result if which == "cpu" else "reference"

@@ -64,6 +64,11 @@ class FusedAdam(AdamFamilyOptimizer):
     elements (default 256) for each of them (16 bytes moved per fp32 param),
     decoded, updated and encoded again in the one pass
     (:mod:`fastzero.ops.adam.int8_codes`).
+
+    ``bf16_stochastic_round`` (torchao's name): bf16 params kept without an
+    fp32 master are written with stochastic rounding keyed by ``seed``, so
+    updates smaller than half a bf16 ulp still move them on average (2 bytes
+    per param instead of a 4-byte master; refused with ``master_weights``).
     """
 
     family, hyperparams = FAMILY, AdamHyperparams
@@ -87,6 +92,7 @@ class FusedAdam(AdamFamilyOptimizer):
         state_format: str | None = None,
         seed: int | None = None,
         block_size: int | None = None,
+        bf16_stochastic_round: bool = False,
         backend: str | None = None,
         **hyper: Any,
     ) -> None:
@@ -110,6 +116,7 @@ class FusedAdam(AdamFamilyOptimizer):
             state_format=state_format,
             seed=seed,
             block_size=block_size,
+            bf16_stochastic_round=bf16_stochastic_round,
         )
         self.set_grad_none = set_grad_none
 
@@ -149,7 +156,12 @@ class CPUAdam(AdamFamilyOptimizer):
             exp_avg_sq in bf16 whatever the param dtype, written with
             stochastic rounding keyed by ``seed``, default 0, the step and each
             element's index: the same bits on every ISA, thread count and
-            backend). Given with ``fp32_optimizer_states``, the two must agree.
+            backend), or ``"int8"`` (uint8 codes and one fp32 scale per
+            ``block_size`` elements, default 256, for each; 16 bytes moved per
+            fp32 param instead of 28). Given with ``fp32_optimizer_states``,
+            the two must agree.
+        bf16_stochastic_round: bf16 params written with stochastic rounding
+            (keyed by ``seed``), in place of round to nearest.
         backend: ``"cpu"`` or ``"reference"``, beating ``FASTZERO_BACKEND``.
     """
 
@@ -173,6 +185,7 @@ class CPUAdam(AdamFamilyOptimizer):
         state_format: str | None = None,
         seed: int | None = None,
         block_size: int | None = None,
+        bf16_stochastic_round: bool = False,
         backend: str | None = None,
         **hyper: Any,
     ) -> None:
@@ -197,6 +210,7 @@ class CPUAdam(AdamFamilyOptimizer):
             state_format=state_format,
             seed=seed,
             block_size=block_size,
+            bf16_stochastic_round=bf16_stochastic_round,
         )
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):

@@ -37,6 +37,7 @@ from fastzero.ops.quant.reference import _fmix32, _mul32
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 BF16_NAN = 0x7FC0  # the quiet NaN every bf16 write gives a NaN (as torch's .to(torch.bfloat16))
+PARAM_SALT = 0x6A09E667  # tells a param's random bits from its states' (sr_param_bits)
 
 
 # -- the bf16 stochastic-rounding rule ------------------------------------------------------------
@@ -46,6 +47,12 @@ def sr_stream(seed: int, step: int) -> int:
     """The key of one step's random bits: ``fmix32(fmix32(seed) ^ (step mod 2^32))``
     (``fmix32``: MurmurHash3's finalizer, all arithmetic mod 2^32)."""
     return _fmix32(_fmix32(seed & _M32) ^ (step & _M32))
+
+
+def _sr_hash(seed: int, step: int, index: Tensor) -> Tensor:
+    i = index.to(torch.int64)
+    key = _fmix32((sr_stream(seed, step) + _mul32(i >> 32, _GOLDEN)) & _M32)
+    return _fmix32((i & _M32) ^ key)
 
 
 def sr_bits(seed: int, step: int, index: Tensor) -> tuple[Tensor, Tensor]:
@@ -61,10 +68,16 @@ def sr_bits(seed: int, step: int, index: Tensor) -> tuple[Tensor, Tensor]:
 
     exp_avg takes the low half of ``h`` (``h & 0xFFFF``), exp_avg_sq the high
     half (``h >> 16``): one hash per element for both states."""
-    i = index.to(torch.int64)
-    key = _fmix32((sr_stream(seed, step) + _mul32(i >> 32, _GOLDEN)) & _M32)
-    h = _fmix32((i & _M32) ^ key)
+    h = _sr_hash(seed, step, index)
     return h & 0xFFFF, h >> 16
+
+
+def sr_param_bits(seed: int, step: int, index: Tensor) -> Tensor:
+    """The 16-bit random integers that round bf16 params written with
+    stochastic rounding (``bf16_stochastic_round``): the low half of a second
+    hash of the states' ``h``, ``fmix32(h ^ 0x6A09E667) & 0xFFFF``, so a
+    param's rounding is independent of its states'."""
+    return _fmix32(_sr_hash(seed, step, index) ^ PARAM_SALT) & 0xFFFF
 
 
 def round_bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
@@ -131,6 +144,7 @@ def adam_step(
     exp_avg_absmax: list[Tensor] | None = None,
     exp_avg_sq_absmax: list[Tensor] | None = None,
     block_size: int | None = None,
+    bf16_stochastic_round: bool = False,
     **hyper,
 ) -> None:
     r"""One Adam/AdamW step, in fp32 whatever the storage dtypes, in place.
@@ -156,9 +170,24 @@ def adam_step(
     one per ``block_size`` elements, default 256): decoded, updated by
     :func:`_pinned_update` and encoded again (:mod:`int8_codes`), scales
     included.
+
+    ``bf16_stochastic_round``: bf16 params (no fp32 master) are written with
+    stochastic rounding, the bits of :func:`sr_param_bits` keyed by ``seed``
+    and ``step``, after :func:`_pinned_update` (any state format); params of
+    other dtypes are written as without it.
     """
     h = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
     copies = param_copies if param_copies is not None else [None] * len(params)
+    seed = 0 if seed is None else seed
+    sr_param = lambda p: bf16_stochastic_round and p.dtype == torch.bfloat16  # noqa: E731
+
+    def write_param(p: Tensor, p32: Tensor) -> None:
+        if sr_param(p):
+            r = sr_param_bits(seed, step, torch.arange(p.numel(), device=p.device))
+            p.copy_(round_bf16_stochastic(p32.reshape(-1), r).view(p.shape))
+        else:
+            p.copy_(p32.view(p.shape))
+
     if state_format == "int8":
         block = int8_codes.DEFAULT_BLOCK if block_size is None else block_size
         m_code, v_code = int8_codes.EXP_AVG, int8_codes.EXP_AVG_SQ
@@ -167,7 +196,7 @@ def adam_step(
             m32 = int8_codes.dequantize(m_code, m, ms, block).reshape(-1)
             v32 = int8_codes.dequantize(v_code, v, vs, block).reshape(-1)
             p32, m32, v32 = _pinned_update(p.float().reshape(-1), g.float().reshape(-1), m32, v32, h, step, grad_scale)
-            p.copy_(p32.view(p.shape))
+            write_param(p, p32)
             for codes, scales, x, code in ((m, ms, m32, m_code), (v, vs, v32, v_code)):
                 new_codes, new_scales = int8_codes.quantize(code, x, block)
                 codes.copy_(new_codes.view(codes.shape))
@@ -175,17 +204,26 @@ def adam_step(
             if cp is not None:
                 cp.copy_(p32.view(cp.shape))
         return
-    if state_format == "bf16":
-        seed = 0 if seed is None else seed
-        for p, g, m, v, cp in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
-            p32, m32, v32 = _pinned_update(p.float(), g.float(), m.float(), v.float(), h, step, grad_scale)
+    pinned = [state_format == "bf16" or sr_param(p) for p in params]
+    for p, g, m, v, cp, pin in zip(params, grads, exp_avgs, exp_avg_sqs, copies, pinned, strict=True):
+        if not pin:
+            continue
+        p32, m32, v32 = _pinned_update(p.float(), g.float(), m.float(), v.float(), h, step, grad_scale)
+        write_param(p, p32)
+        if state_format == "bf16":
             r_m, r_v = sr_bits(seed, step, torch.arange(p.numel(), device=p.device))
-            p.copy_(p32.view(p.shape))
             m.copy_(round_bf16_stochastic(m32.reshape(-1), r_m).view(m.shape))
             v.copy_(round_bf16_stochastic(v32.reshape(-1), r_v).view(v.shape))
-            if cp is not None:
-                cp.copy_(p32.view(cp.shape))
+        else:
+            m.copy_(m32)
+            v.copy_(v32)
+        if cp is not None:
+            cp.copy_(p32.view(cp.shape))
+    if all(pinned):
         return
+    params, grads, exp_avgs, exp_avg_sqs, copies = (
+        [t for t, pin in zip(ts, pinned) if not pin] for ts in (params, grads, exp_avgs, exp_avg_sqs, copies)
+    )
     lr, beta1, beta2, eps, weight_decay = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
     bc1 = 1.0 - beta1**step if h.bias_correction else 1.0
     bc2 = 1.0 - beta2**step if h.bias_correction else 1.0

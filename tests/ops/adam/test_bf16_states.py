@@ -485,6 +485,8 @@ def test_native_entry_refuses_a_seed_without_bf16_states():
         pytest.skip("no native kernels")
     hyper = bytes(AdamHyperparams().c_struct())
     with pytest.raises(ValueError, match="needs bf16 states"):
-        ops.adam(0, [0], [0], [0], [0], [], [1], 0, 0, 0, -1, hyper, 1, 1.0, 5, 1)
-    with pytest.raises(ValueError, match="sr_seed must be"):
-        ops.adam(0, [0], [0], [0], [0], [], [1], 0, 0, 2, -1, hyper, 1, 1.0, 2**32, 1)
+        ops.adam(0, [0], [0], [0], [0], [], [1], 0, 0, 0, -1, hyper, 1, 1.0, 5, True, False, 1)
+    with pytest.raises(ValueError, match="seed must be"):
+        ops.adam(0, [0], [0], [0], [0], [], [1], 0, 0, 2, -1, hyper, 1, 1.0, 2**32, True, False, 1)
+    with pytest.raises(ValueError, match="needs bf16 params"):
+        ops.adam(0, [0], [0], [0], [0], [], [1], 0, 0, 0, -1, hyper, 1, 1.0, 5, False, True, 1)

@@ -174,9 +174,9 @@ def test_native_refuses_isa_the_cpu_lacks():
         pytest.skip("no native kernels")
     hyper = bytes(AdamHyperparams().c_struct())
     with pytest.raises(ValueError, match="not supported"):
-        ops.adam(7, [], [], [], [], [], [], 0, 0, 0, -1, hyper, 1, 1.0, -1, 1)
+        ops.adam(7, [], [], [], [], [], [], 0, 0, 0, -1, hyper, 1, 1.0, 0, False, False, 1)
     with pytest.raises(ValueError, match="no kernel"):
-        ops.adam(0, [0], [0], [0], [0], [], [1], 1, 0, 2, -1, hyper, 1, 1.0, -1, 1)
+        ops.adam(0, [0], [0], [0], [0], [], [1], 1, 0, 2, -1, hyper, 1, 1.0, 0, False, False, 1)
 
 
 @pytest.mark.parametrize("what", ["param", "state"])

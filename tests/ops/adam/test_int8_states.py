@@ -473,9 +473,9 @@ def test_native_entry_refuses_a_bad_block_before_any_pointer_is_read():
 
     hyper = bytes(AdamHyperparams().c_struct())
     with pytest.raises(ValueError, match="block must be a power of two"):
-        ops.adam_int8(0, [0], [0], [0], [0], [], [0], [0], [10], 0, 0, -1, hyper, 1.0, 1.0, 100, 1)
+        ops.adam_int8(0, [0], [0], [0], [0], [], [0], [0], [10], 0, 0, -1, hyper, 1.0, 1.0, 100, 0, False, 1)
     with pytest.raises(ValueError, match="differ in length"):
-        ops.adam_int8(0, [0], [0], [0], [0], [], [0], [], [10], 0, 0, -1, hyper, 1.0, 1.0, 256, 1)
+        ops.adam_int8(0, [0], [0], [0], [0], [], [0], [], [10], 0, 0, -1, hyper, 1.0, 1.0, 256, 0, False, 1)
 
 
 def test_load_refuses_a_malformed_int8_record():
