@@ -38,7 +38,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BF16_BY_HAND = tl.constexpr(INTERPRET)
 
 ROLES = ("param", "grad", "exp_avg", "exp_avg_sq", "param_copy")
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+INT8_ROLES = (*ROLES, "exp_avg_absmax", "exp_avg_sq_absmax")  # Adam's int8 states: codes and block scales
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.uint8: tl.uint8}
 
 
 @triton.jit
@@ -136,7 +137,7 @@ class Group:
 @dataclass(frozen=True)
 class WorkList:
     table: Tensor  # one int64 device tensor holding every array below (one host-to-device copy)
-    addrs: Tensor  # [len(ROLES) * n_tensors] data_ptr of tensor t in role r at r * n_tensors + t (0: none)
+    addrs: Tensor  # [n_roles * n_tensors] data_ptr of tensor t in role r at r * n_tensors + t (0: none)
     numels: Tensor  # [n_tensors]
     first_item: Tensor  # [n_tensors] first item of each tensor (its items are contiguous)
     n_items_of: Tensor  # [n_tensors]
@@ -152,7 +153,7 @@ _CACHE_SIZE = 16  # optimizers call with the same tensors every step; a few para
 
 
 def work_list(lists: list[list[Tensor] | None], chunk: int) -> WorkList:
-    """The work list of ``lists`` (one per role, None for an absent role), in chunks
+    """The work list of ``lists`` (one per role of ROLES or INT8_ROLES, None for an absent role), in chunks
     of ``chunk`` elements, cached on the addresses, sizes and dtypes it encodes
     (memory freed and reused by equal tensors yields the same, still valid list)."""
     n = len(lists[0])
@@ -193,8 +194,8 @@ def work_list(lists: list[list[Tensor] | None], chunk: int) -> WorkList:
     if device.type == "cuda":
         host = host.pin_memory()  # an asynchronous copy: no host sync
     table = host.to(device, non_blocking=True)
-    sizes = [len(ROLES) * n, n, n, n, n_items, n_items]
-    assert len(rows) == len(ROLES)
+    assert len(rows) in (len(ROLES), len(INT8_ROLES))
+    sizes = [len(rows) * n, n, n, n, n_items, n_items]
     parts = torch.split(table, sizes)
     wl = WorkList(table, *parts, n_tensors=n, n_items=n_items, groups=tuple(groups))
     _CACHE[key] = wl
@@ -215,9 +216,11 @@ def check_inputs(
     param_copies: list[Tensor] | None,
     scalars: dict[str, Tensor | None],
     state_format: str | None = None,
+    **int8_scales,
 ) -> None:
     """fastzero.checks.check_device_step, on CUDA tensors (CPU tensors
-    too under the interpreter)."""
+    too under the interpreter); ``int8_scales``: the int8 states'
+    ``exp_avg_absmax``, ``exp_avg_sq_absmax`` and ``block_size``."""
     hint = " (CPU tensors only under the interpreter, TRITON_INTERPRET=1 set before importing triton)"
     check_device_step(
         "the Triton kernels",
@@ -230,4 +233,5 @@ def check_inputs(
         device_types=("cuda", "cpu") if INTERPRET else ("cuda",),
         hint=hint,
         state_format=state_format,
+        **int8_scales,
     )

@@ -20,6 +20,13 @@ its own: the launch turns off fp contraction) and its random bits, so the
 results are the reference's to the bit. The host scalars that enter the
 fp64 bias corrections (lr, log beta) cross as the bit patterns of their
 doubles (int64), since Triton passes a Python float as fp32.
+
+int8 block-wise states (``state_format="int8"``: uint8 codes, one fp32 scale
+per ``block_size`` elements; the rule of ``fastzero.ops.adam.int8_codes``) take
+the same pinned update in their own kernel: one program per tile of ROWS whole
+blocks of one tensor, one block a row, which it decodes with the old scales,
+updates, and encodes with the new ones (each row's largest magnitude), in one
+pass; the results are the reference's to the bit, codes and scales included.
 """
 
 from __future__ import annotations
@@ -405,6 +412,265 @@ def _adam_kernel(
                 )
 
 
+# -- int8 block-wise states (state_format="int8") ---------------------------------------------------
+#
+# The rule is fastzero/ops/adam/int8_codes.py's. Both codes are small floats of y = |x| / scale
+# (BIAS 15: exp_avg, signed; BIAS 31: exp_avg_sq). The encoding takes the rule's integer form,
+# step for step: normal codes by rounding y's own bit pattern at bit 20, subnormal codes by the
+# FPU's one rounding of y + 2^(emin + 20), a normal fp32 whose ulp is the code's step. Chosen over
+# the CPU kernel's form (y scaled into fp32's subnormals, then rounded at bit 20) for two reasons:
+# that form rounds twice in the subnormal codes' range, which can differ from the rule (exp_avg's
+# y = 2^-15 (1 + 2^-3 + 2^-23): the rule's code 5, that form's 4; csrc/cpu gives 4), and it needs
+# subnormals where the rule's form needs none. The decoding is the rule's too: a code's value from
+# its bits (or c 2^(emin - 3), exact), times the scale. What stays is the fp32 arithmetic that the
+# update and the rule state with subnormals (a product such as y or a decoded x may be one): Triton
+# emits it for NVIDIA GPUs without .ftz (add/mul/div.rn/sqrt.rn/min.f32 in sm_90 PTX, checked by
+# tests/ops/test_triton_kernels.py), so GPUs keep subnormals as torch does on the CPU, and so
+# does the interpreter (numpy).
+
+
+@triton.jit
+def _int8_decode(c, scale, BIAS: tl.constexpr, SIGNED: tl.constexpr):
+    """fp32 values of codes c (int32) in blocks of scale `scale` (int8_codes.dequantize)."""
+    mag = c & 0x7F if SIGNED else c
+    sub = mag.to(tl.float32) * (2.0 ** (-2 - BIAS))  # c 2^(emin - 3): exact
+    normal = ((mag << 20) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    x = tl.where(mag < 8, sub, normal) * scale
+    if SIGNED:
+        x = tl.where(c >= 0x80, -x, x)
+    return x
+
+
+@triton.jit
+def _int8_scale(absmax_bits):
+    """(scale, 1 / scale, whether the block encodes) from the bit pattern of a block's largest |x|:
+    NaN for an inf or NaN in the block, 0 below 2^-126 (both encode to codes 0), else the max."""
+    finite = absmax_bits < 0x7F800000
+    encodes = finite & (absmax_bits >= 0x00800000)
+    scale = tl.where(encodes, absmax_bits, tl.where(finite, 0, 0x7FC00000)).to(tl.float32, bitcast=True)
+    inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(encodes, scale, 1.0))
+    return scale, inv, encodes
+
+
+@triton.jit
+def _int8_encode(x, inv, BIAS: tl.constexpr, SIGNED: tl.constexpr):
+    """Codes (int32) of fp32 x given inv = 1 / its block's scale (int8_codes.encode, its integer form)."""
+    xb = x.to(tl.int32, bitcast=True)
+    y = tl.minimum((xb & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv, 1.0)
+    yb = y.to(tl.int32, bitcast=True)
+    t = yb - ((127 - BIAS) << 23)
+    normal = (t + 0x7FFFF + ((t >> 20) & 1)) >> 20  # to nearest even; a carry moves into the exponent
+    sub = (y + 2.0 ** (21 - BIAS)).to(tl.int32, bitcast=True) - ((148 - BIAS) << 23)
+    c = tl.where(yb < ((128 - BIAS) << 23), sub, normal)  # y < 2^emin: a subnormal code
+    if SIGNED:
+        c = c | ((xb >> 24) & 0x80)
+    else:
+        c = tl.where((yb > 0) & (c == 0), 1, c)  # a v above 0 never decodes to 0
+    return c
+
+
+@triton.jit
+def _int8_store(x, mask, row_mask, codes_ptr, scales_ptr, offs, blocks, BIAS: tl.constexpr, SIGNED: tl.constexpr):
+    """Encodes a tile (one block a row) with its new scales, the blocks' largest |x|."""
+    absx = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # ordered as |x|; >= 0x7F800000: inf or NaN
+    if mask is not None:
+        absx = tl.where(mask, absx, 0)  # lanes past the tensor's end are not the block's
+    scale, inv, encodes = _int8_scale(tl.max(absx, axis=1))
+    codes = tl.where(encodes[:, None], _int8_encode(x, inv[:, None], BIAS, SIGNED), 0)
+    tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
+    tl.store(scales_ptr + blocks, scale, mask=row_mask)
+
+
+@triton.jit
+def _adam_tile_int8(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    c_ptr,
+    ms_ptr,
+    vs_ptr,
+    start,
+    n,
+    inv_grad_scale,
+    decay,
+    weight_decay,
+    m_coeff,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,
+    bc2_rsqrt,
+    HAS_GRAD_SCALE: tl.constexpr,
+    ADAMW: tl.constexpr,
+    M_FROM_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """ROWS blocks of one tensor from element `start`, one a row: decode with the old scales,
+    the pinned update, encode with the new ones. MASKED: the tensor ends inside the tile."""
+    blocks = start // BLOCK + tl.arange(0, ROWS)
+    offs = start + tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask, row_mask, zero = None, None, None
+    if MASKED:
+        mask, row_mask, zero = offs < n, blocks * BLOCK < n, 0
+    m_scale = tl.load(ms_ptr + blocks, mask=row_mask, other=zero)[:, None]
+    v_scale = tl.load(vs_ptr + blocks, mask=row_mask, other=zero)[:, None]
+    p = _to_fp32(tl.load(p_ptr + offs, mask=mask, other=zero))
+    g = _to_fp32(tl.load(g_ptr + offs, mask=mask, other=zero))
+    m = _int8_decode(tl.load(m_ptr + offs, mask=mask, other=zero).to(tl.int32), m_scale, 15, True)
+    v = _int8_decode(tl.load(v_ptr + offs, mask=mask, other=zero).to(tl.int32), v_scale, 31, False)
+    p, m, v = _adam_math_pinned(
+        p,
+        g,
+        m,
+        v,
+        inv_grad_scale,
+        decay,
+        weight_decay,
+        m_coeff,
+        beta2,
+        one_minus_beta2,
+        eps,
+        step_size,
+        bc2_rsqrt,
+        HAS_GRAD_SCALE,
+        ADAMW,
+        M_FROM_GRAD,
+    )
+    tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
+    if c_ptr is not None:
+        tl.store(c_ptr + offs, _to_storage(p, c_ptr.dtype.element_ty), mask=mask)
+    _int8_store(m, mask, row_mask, m_ptr, ms_ptr, offs, blocks, 15, True)
+    _int8_store(v, mask, row_mask, v_ptr, vs_ptr, offs, blocks, 31, False)
+
+
+@triton.jit
+def _adam_int8_kernel(
+    addrs_ptr,
+    numels_ptr,
+    item_tensor_ptr,
+    item_start_ptr,
+    n_tensors,
+    step_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    lr_bits,
+    decay,
+    weight_decay,
+    m_coeff,
+    beta2,
+    one_minus_beta2,
+    log_beta1_bits,
+    log_beta2_bits,
+    eps,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    C_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ADAMW: tl.constexpr,
+    M_FROM_GRAD: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """One program per work item: ROWS blocks of BLOCK elements of one tensor (the address table
+    holds the roles of INT8_ROLES: exp_avg, exp_avg_sq are uint8 codes, then their fp32 scales)."""
+    item = tl.program_id(0)
+    found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
+    if found_inf == 0.0:  # decided on the device: no host sync
+        t = tl.load(item_tensor_ptr + item)
+        start = tl.multiple_of(tl.load(item_start_ptr + item), ROWS * BLOCK)
+        n = tl.load(numels_ptr + t)
+        p_ptr = _typed_ptr(addrs_ptr, 0, n_tensors, t, P_DTYPE, ALIGNED)
+        g_ptr = _typed_ptr(addrs_ptr, 1, n_tensors, t, G_DTYPE, ALIGNED)
+        m_ptr = _typed_ptr(addrs_ptr, 2, n_tensors, t, tl.uint8, ALIGNED)
+        v_ptr = _typed_ptr(addrs_ptr, 3, n_tensors, t, tl.uint8, ALIGNED)
+        c_ptr = None
+        if C_DTYPE is not None:
+            c_ptr = _typed_ptr(addrs_ptr, 4, n_tensors, t, C_DTYPE, ALIGNED)
+        ms_ptr = _typed_ptr(addrs_ptr, 5, n_tensors, t, tl.float32, ALIGNED)
+        vs_ptr = _typed_ptr(addrs_ptr, 6, n_tensors, t, tl.float32, ALIGNED)
+        grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
+        inv_grad_scale = tl.div_rn(tl.full((), 1.0, tl.float32), grad_scale) if HAS_GRAD_SCALE else 1.0
+        lr = tl.cast(tl.cast(lr_bits, tl.int64), tl.float64, bitcast=True)
+        log_beta1 = tl.cast(tl.cast(log_beta1_bits, tl.int64), tl.float64, bitcast=True)
+        log_beta2 = tl.cast(tl.cast(log_beta2_bits, tl.int64), tl.float64, bitcast=True)
+        bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, BIAS_CORRECTION)
+        step_size = (lr / bc1).to(tl.float32)
+        bc2_rsqrt = (1.0 / tl.sqrt(bc2)).to(tl.float32)
+        # a full tile without masks (so that its loads vectorize), else the tensor's last tile
+        if start + ROWS * BLOCK <= n:
+            _adam_tile_int8(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                ms_ptr,
+                vs_ptr,
+                start,
+                n,
+                inv_grad_scale,
+                decay,
+                weight_decay,
+                m_coeff,
+                beta2,
+                one_minus_beta2,
+                eps,
+                step_size,
+                bc2_rsqrt,
+                HAS_GRAD_SCALE,
+                ADAMW,
+                M_FROM_GRAD,
+                BLOCK,
+                ROWS,
+                False,
+            )
+        else:
+            _adam_tile_int8(
+                p_ptr,
+                g_ptr,
+                m_ptr,
+                v_ptr,
+                c_ptr,
+                ms_ptr,
+                vs_ptr,
+                start,
+                n,
+                inv_grad_scale,
+                decay,
+                weight_decay,
+                m_coeff,
+                beta2,
+                one_minus_beta2,
+                eps,
+                step_size,
+                bc2_rsqrt,
+                HAS_GRAD_SCALE,
+                ADAMW,
+                M_FROM_GRAD,
+                BLOCK,
+                ROWS,
+                True,
+            )
+
+
+_INT8_DEFAULT_BLOCK = 256  # fastzero.ops.adam.int8_codes.DEFAULT_BLOCK (ops is a layer above this one)
+_INT8_TILE = 2048  # elements a program updates at least: ROWS blocks of up to 2048, or one of 4096
+
+
+def int8_launch_config(block: int) -> tuple[int, int]:
+    """(ROWS, num_warps) of int8 states in blocks of `block` elements: a tile of
+    max(block, 2048) elements per program (the interpreter pays per program, a GPU
+    wants a few thousand bytes in flight per program), 8 warps for 4096 elements
+    (16 fp32 moments per thread, held from the update to the encoding)."""
+    return max(1, _INT8_TILE // block), 8 if block > _INT8_TILE else 4
+
+
 def launch(
     params,
     grads,
@@ -418,6 +684,9 @@ def launch(
     param_copies=None,
     state_format=None,
     seed=None,
+    exp_avg_absmax=None,
+    exp_avg_sq_absmax=None,
+    block_size=None,
 ):
     """:func:`adam_step` on lists that were checked."""
     if not params:
@@ -440,7 +709,6 @@ def launch(
         _f64_bits(log_beta(hp.beta1)),
         _f64_bits(log_beta(hp.beta2)),
         float(hp.eps),
-        _host_fmix32((0 if seed is None else int(seed)) & _M32) if stochastic else 0,
     )
     flags = dict(
         HAS_GRAD_SCALE=grad_scale is not None,
@@ -448,10 +716,39 @@ def launch(
         ADAMW=bool(hp.adamw_mode),
         M_FROM_GRAD=m_from_grad,
         BIAS_CORRECTION=bool(hp.bias_correction),
-        STOCHASTIC=stochastic,
     )
-    if stochastic and not INTERPRET:
+    if state_format in ("bf16", "int8") and not INTERPRET:
         flags["enable_fp_fusion"] = False  # the pinned update: no multiply-add contraction
+    if state_format == "int8":
+        block = _INT8_DEFAULT_BLOCK if block_size is None else block_size
+        rows, num_warps = int8_launch_config(block)
+        lists = [params, grads, exp_avgs, exp_avg_sqs, param_copies, exp_avg_absmax, exp_avg_sq_absmax]
+        wl = work_list(lists, rows * block)
+        for grp in wl.groups:
+            if grp.end == grp.begin:
+                continue  # only empty tensors
+            p_dt, g_dt, _, _, c_dt, _, _ = grp.dtypes
+            _adam_int8_kernel[(grp.end - grp.begin,)](
+                wl.addrs,
+                wl.numels,
+                wl.item_tensor[grp.begin :],
+                wl.item_start[grp.begin :],
+                wl.n_tensors,
+                step,
+                grad_scale,
+                found_inf,
+                *scalars,
+                P_DTYPE=p_dt,
+                G_DTYPE=g_dt,
+                C_DTYPE=c_dt,
+                ALIGNED=grp.aligned,
+                **flags,
+                BLOCK=block,
+                ROWS=rows,
+                num_warps=num_warps,
+            )
+        return
+    seed_mix = _host_fmix32((0 if seed is None else int(seed)) & _M32) if stochastic else 0
     block, per_item, num_warps = launch_config()
     wl = work_list([params, grads, exp_avgs, exp_avg_sqs, param_copies], block * per_item)
     for grp in wl.groups:
@@ -468,6 +765,7 @@ def launch(
             grad_scale,
             found_inf,
             *scalars,
+            seed_mix,
             P_DTYPE=p_dt,
             G_DTYPE=g_dt,
             M_DTYPE=m_dt,
@@ -475,6 +773,7 @@ def launch(
             C_DTYPE=c_dt,
             ALIGNED=grp.aligned,
             **flags,
+            STOCHASTIC=stochastic,
             BLOCK_SIZE=block,
             BLOCKS_PER_ITEM=per_item,
             num_warps=num_warps,
@@ -495,6 +794,9 @@ def adam_step(
     param_copies: list[Tensor] | None = None,
     state_format: str | None = None,
     seed: int | None = None,
+    exp_avg_absmax: list[Tensor] | None = None,
+    exp_avg_sq_absmax: list[Tensor] | None = None,
+    block_size: int | None = None,
 ) -> None:
     """One Adam/AdamW step on every tensor of the lists, in place (formula in the
     module docstring); ``hp``: the hyperparameters (fastzero.ops.AdamHyperparams).
@@ -503,8 +805,12 @@ def adam_step(
     float32) divides the grads; where ``found_inf`` (0-d float32) is nonzero nothing
     changes. All three are read on the device: no host sync. ``state_format="bf16"``:
     bf16 states written with stochastic rounding keyed by ``seed`` (default 0).
+    ``state_format="int8"``: exp_avgs/exp_avg_sqs are uint8 codes and
+    ``exp_avg_absmax``/``exp_avg_sq_absmax`` their fp32 scales, one per
+    ``block_size`` elements (default 256; fastzero.ops.adam.int8_codes), decoded,
+    updated and encoded again in the one pass.
     """
-    check_state_format("the Triton kernels", state_format, seed)
+    check_state_format("the Triton kernels", state_format, seed, block_size)
     check_inputs(
         params,
         grads,
@@ -513,6 +819,9 @@ def adam_step(
         param_copies,
         {"step": step, "grad_scale": grad_scale, "found_inf": found_inf},
         state_format=state_format,
+        exp_avg_absmax=exp_avg_absmax,
+        exp_avg_sq_absmax=exp_avg_sq_absmax,
+        block_size=block_size,
     )
     launch(
         params,
@@ -526,4 +835,7 @@ def adam_step(
         param_copies=param_copies,
         state_format=state_format,
         seed=seed,
+        exp_avg_absmax=exp_avg_absmax,
+        exp_avg_sq_absmax=exp_avg_sq_absmax,
+        block_size=block_size,
     )

@@ -302,12 +302,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastzero.triton_kernels import adam, lamb
 F32_PTRS = {"step_ptr", "grad_scale_ptr", "found_inf_ptr", "clip_ptr", "coeffs_ptr", "sq_ptr", "g_sq_ptr", "out_ptr"}
-def ptx(fn, fusion=True, **const):
+def ptx(fn, fusion=True, num_warps=4, **const):
     sig = {n: "constexpr" if n in const else ("*fp32" if n in F32_PTRS else "*i64") if n.endswith("_ptr")
            else "i32" if n.startswith("n_") else "i64" if n.endswith("_bits") or n == "seed_mix" else "fp32"
            for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    options = {"num_warps": 4, "enable_fp_fusion": fusion}
+    options = {"num_warps": num_warps, "enable_fp_fusion": fusion}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 B = dict(BLOCK_SIZE=1024, BLOCKS_PER_ITEM=8)
 A = dict(P_DTYPE=tl.float32, M_DTYPE=tl.float32, V_DTYPE=tl.float32, ALIGNED=True)
@@ -329,6 +329,16 @@ sr = ptx(adam._adam_kernel, False, P_DTYPE=tl.float32, G_DTYPE=tl.bfloat16, M_DT
          STOCHASTIC=True, **B)
 assert "fma.rn.f32" not in sr, "a multiply-add in the pinned update"
 out.append(sr)
+# int8 states: the pinned update too, and fp32 subnormals kept (no .ftz on fp32 arithmetic: the
+# decode's product and y = |x| / scale may be subnormal); codes load 16 to a thread in full tiles
+for block, p_dt, c_dt in ((256, tl.float32, tl.bfloat16), (4096, tl.bfloat16, None)):
+    rows, warps = adam.int8_launch_config(block)
+    s = ptx(adam._adam_int8_kernel, False, warps, P_DTYPE=p_dt, G_DTYPE=tl.float16, C_DTYPE=c_dt, ALIGNED=True, **F,
+            ADAMW=True, M_FROM_GRAD=False, BIAS_CORRECTION=True, BLOCK=block, ROWS=rows)
+    assert "fma.rn.f32" not in s, "a multiply-add in the int8 kernel's pinned update"
+    assert not re.search(r"(add|sub|mul|div|sqrt|min|max|neg)(\\.rn)?\\.ftz\\.f32", s), "fp32 flushed to zero"
+    assert "ld.global.v4.b32" in s, "int8 kernel: loads not vectorized"
+    out.append(s)
 for i in (0, 1, 3, 5, 7):
     assert "ld.global.v4" in out[i], f"kernel {i}: loads not vectorized"
 assert not any(re.search(r"(div|sqrt)\\.(approx|full)\\.f32", s) for s in out), "approximate div/sqrt"
