@@ -20,7 +20,7 @@ def train(model, opt, steps, seed=1):
     for _ in range(steps):
         opt.zero_grad()
         for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)  # CPU draws: the same on any device
         opt.step()
 
 

@@ -24,19 +24,23 @@ int check_launch(const char* kernel) {
 
 int check_list(const char* fn, const char* what, void* const* ptrs, const int64_t* numel, int n,
                int dtype) {
+  return check_list_of(fn, what, ptrs, numel, n, dtype == kF32 ? 4 : 2, dtype_name(dtype));
+}
+
+int check_list_of(const char* fn, const char* what, void* const* ptrs, const int64_t* numel, int n,
+                  int64_t elem_bytes, const char* elem) {
   const std::string where = std::string(fn) + ": " + what;
   if (n > 0 && (ptrs == nullptr || numel == nullptr))
     return set_error(FZ_ERR_INVALID_ARGUMENT, where + ": null pointer array");
-  const int64_t size = dtype == kF32 ? 4 : 2;
   for (int i = 0; i < n; ++i) {
     if (numel[i] < 0)
       return set_error(FZ_ERR_INVALID_ARGUMENT,
                        where + "[" + std::to_string(i) + "] has " + std::to_string(numel[i]) + " elements");
     if (numel[i] > 0 && ptrs[i] == nullptr)
       return set_error(FZ_ERR_INVALID_ARGUMENT, where + "[" + std::to_string(i) + "] is a null pointer");
-    if (reinterpret_cast<uintptr_t>(ptrs[i]) % size != 0)
-      return set_error(FZ_ERR_INVALID_ARGUMENT, where + "[" + std::to_string(i) + "] is not aligned to its " +
-                                                    dtype_name(dtype) + " elements");
+    if (reinterpret_cast<uintptr_t>(ptrs[i]) % elem_bytes != 0)
+      return set_error(FZ_ERR_INVALID_ARGUMENT,
+                       where + "[" + std::to_string(i) + "] is not aligned to its " + elem + " elements");
   }
   return FZ_OK;
 }

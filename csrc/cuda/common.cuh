@@ -343,6 +343,9 @@ int multi_tensor_apply(void* const* const (&lists)[kDepth], const int64_t* numel
 // for every non-empty tensor, aligned to its element size.
 int check_list(const char* fn, const char* what, void* const* ptrs, const int64_t* numel, int n,
                int dtype);
+// The same for elements of `elem_bytes` bytes named `elem` (int8 states' uint8 codes).
+int check_list_of(const char* fn, const char* what, void* const* ptrs, const int64_t* numel, int n,
+                  int64_t elem_bytes, const char* elem);
 
 template <typename T>
 struct TypeTag {

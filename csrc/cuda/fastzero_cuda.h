@@ -39,8 +39,8 @@ extern "C" {
  * Python refuses a mismatch. 2: the 1-bit pack and unpack. 3: the optimizer
  * hyperparameters as one struct (fz_adam_hyper, fz_lamb_hyper);
  * fz_cuda_clip_factor became fz_cuda_lamb_clip_factor. 5: fz_cuda_adam's
- * sr_seed (bf16 states written with stochastic rounding). */
-#define FZ_CUDA_ABI_VERSION 5
+ * sr_seed (bf16 states written with stochastic rounding). 6: fz_cuda_adam_int8. */
+#define FZ_CUDA_ABI_VERSION 6
 
 enum {
   FZ_OK = 0,
@@ -70,6 +70,20 @@ FZ_API int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* co
                         int g_dtype, int s_dtype, int c_dtype, const fz_adam_hyper* hyper,
                         const float* step, const float* grad_scale, const float* found_inf,
                         int64_t sr_seed, void* stream);
+
+/* Adam/AdamW with int8 block-wise states, fastzero/ops/adam/int8_codes.py:
+ * m and v are uint8 codes (one per element), m_scales and v_scales their
+ * fp32 block scales, ceil(numel / block_size) per tensor, block_size a power
+ * of two from 64 to 4096. Each block is decoded with its old scales, updated
+ * as fz_cuda_adam's stochastic-rounding path updates (the reference's
+ * pinned update) and encoded again with new scales, all to the reference's
+ * bits. p: fp32/fp16/bf16; g: any; copy (NULL or one per tensor): fp16/bf16,
+ * only for fp32 p. hyper, step, grad_scale, found_inf: as fz_cuda_adam's. */
+FZ_API int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m, void* const* v,
+                             void* const* copy, void* const* m_scales, void* const* v_scales,
+                             const int64_t* numel, int n, int p_dtype, int g_dtype, int c_dtype,
+                             int64_t block_size, const fz_adam_hyper* hyper, const float* step,
+                             const float* grad_scale, const float* found_inf, void* stream);
 
 /* Per-chunk sums of (x / scale)^2 in fp64, into partials[0 .. chunks): the
  * first pass of an L2 norm over a list of tensors of one dtype. */

@@ -5,8 +5,13 @@
 // dtypes instantiate it. bf16 states written with stochastic rounding (SR:
 // state_format="bf16") take the reference's pinned update (every op rounded
 // on its own, with the _rn intrinsics nvcc never contracts) and its random
-// bits, so they are the reference's to the bit.
+// bits, so they are the reference's to the bit. int8 block-wise states
+// (state_format="int8") take the same pinned update between decoding and
+// encoding (int8_codes.cuh), to the bit as well.
+#include <vector>
+
 #include "common.cuh"
+#include "int8_codes.cuh"
 
 namespace fz {
 namespace {
@@ -187,29 +192,216 @@ int launch_adam(void* const* const (&lists)[5], const int64_t* numel, int n, con
   });
 }
 
+// Params of any dtype with states of a format of their own (bf16 SR, int8):
+// f(TypeTag<P>, TypeTag<G>, TypeTag<C>) for fp32/fp16/bf16 params, grads of
+// any of these, a fp16/bf16 copy only of fp32 params. -1 for another combination.
+template <typename F>
+int dispatch_params(int p_dtype, int g_dtype, int c_dtype, F&& f) {
+  int rc = -1;
+  visit_dtype<false>(p_dtype, [&](auto p) {
+    visit_dtype<false>(g_dtype, [&](auto g) {
+      visit_dtype<true>(c_dtype, [&](auto c) {
+        using P = typename decltype(p)::type;
+        using C = typename decltype(c)::type;
+        if constexpr (std::is_same_v<P, float> ? !std::is_same_v<C, float> : std::is_same_v<C, NoneT>)
+          rc = f(p, g, c);
+      });
+    });
+  });
+  return rc;
+}
+
+constexpr const char* kParamCombos =
+    "float32, float16 or bfloat16 params, a float16/bfloat16 copy of float32 params; grads float32, float16 or "
+    "bfloat16";
+
 // The SR kernels: bf16 states for params of any dtype, copies as with fp32 states.
 template <typename F>
 int dispatch_sr(const char* fn, int p_dtype, int g_dtype, int s_dtype, int c_dtype, F&& f) {
-  int rc = -1;
-  if (s_dtype == kBF16) {
-    visit_dtype<false>(p_dtype, [&](auto p) {
-      visit_dtype<false>(g_dtype, [&](auto g) {
-        visit_dtype<true>(c_dtype, [&](auto c) {
-          using P = typename decltype(p)::type;
-          using C = typename decltype(c)::type;
-          if constexpr (std::is_same_v<P, float> ? !std::is_same_v<C, float> : std::is_same_v<C, NoneT>)
-            rc = f(p, g, c);
-        });
-      });
-    });
-  }
+  const int rc = s_dtype == kBF16 ? dispatch_params(p_dtype, g_dtype, c_dtype, f) : -1;
   if (rc >= 0) return rc;
   return set_error(FZ_ERR_INVALID_ARGUMENT,
                    std::string(fn) + ": unsupported dtypes with stochastic rounding (params " +
                        dtype_name(p_dtype) + ", grads " + dtype_name(g_dtype) + ", states " +
                        dtype_name(s_dtype) + ", copies " + dtype_name(c_dtype) +
-                       "); supported: bfloat16 states for float32, float16 or bfloat16 params, a "
-                       "float16/bfloat16 copy of float32 params; grads float32, float16 or bfloat16");
+                       "); supported: bfloat16 states for " + kParamCombos);
+}
+
+// ---------------------------------------------------------------------------
+// int8 block-wise states (state_format="int8"): uint8 codes of exp_avg and
+// exp_avg_sq and one fp32 scale per block of `block` elements of each
+// tensor (fastzero/ops/adam/int8_codes.py).
+//
+// The mapping: one thread block per 64 Ki chunk (chunks start on
+// quantization-block boundaries: block divides kChunkSize); each pass over
+// the chunk gives every thread kInt8Lanes consecutive elements, so a
+// quantization block belongs to `block / kInt8Lanes` consecutive threads (8
+// to 512), a pass of 4096 elements to 4096 / block whole blocks. Each
+// thread decodes with the old scale, runs the pinned update, writes p and
+// its copy, then its group takes the max of |m| and |v| as unsigned bit
+// patterns (NaN and inf rank above every finite value, as the rule needs):
+// butterfly shuffles within a warp, shared memory across a group's warps.
+// Every thread then encodes with the new scales and the group's first
+// thread writes them. The old scale is read before the group's reduction,
+// which waits for every thread of the group, so its overwrite races nothing.
+
+constexpr int kInt8Lanes = 8;  // 8 code bytes per thread (one 8-byte access), 4096 elements per pass
+static_assert(kBlockSize * kInt8Lanes == 4096, "a pass covers the largest block, 4096");
+static_assert(kChunkSize % 4096 == 0, "every block size divides a chunk: chunks start on block boundaries");
+static_assert(sizeof(TensorListMeta<7>) + sizeof(AdamArgs) + sizeof(int) <= 4096, "kernel parameters in 4 KiB");
+
+// The largest of a group's a and b (its quantization block's |m|, |v| bits)
+// in every thread of the group: `group` consecutive threads, a power of two
+// from 8 to kBlockSize, the same in the whole thread block.
+__device__ __forceinline__ void group_max(uint32_t& a, uint32_t& b, int group) {
+  for (int offset = (group < 32 ? group : 32) / 2; offset > 0; offset /= 2) {
+    a = max(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    b = max(b, __shfl_xor_sync(0xffffffffu, b, offset));
+  }
+  if (group <= 32) return;
+  __shared__ uint32_t warp_max[2][kBlockSize / 32];
+  const int warp = threadIdx.x / 32, warps = group / 32, first = warp / warps * warps;
+  if (threadIdx.x % 32 == 0) {
+    warp_max[0][warp] = a;
+    warp_max[1][warp] = b;
+  }
+  __syncthreads();
+  for (int w = first; w < first + warps; ++w) {
+    a = max(a, warp_max[0][w]);
+    b = max(b, warp_max[1][w]);
+  }
+  __syncthreads();  // read before the next pass writes
+}
+
+// A thread's kInt8Lanes consecutive elements [first, first + valid) of one
+// tensor: 16-byte words where `vec` (aligned and all valid), else one by one
+// (0 past the end).
+template <typename T>
+__device__ __forceinline__ void load_run(Lanes<T, kInt8Lanes>& l, const T* src, int base, int first, int valid,
+                                         bool vec) {
+  if (vec) return l.load(src, Tile<true, kInt8Lanes>{base, 0});
+#pragma unroll
+  for (int j = 0; j < kInt8Lanes; ++j) l.x[j] = j < valid ? to_float(src[first + j]) : 0.0f;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_run(const Lanes<T, kInt8Lanes>& l, T* dst, int base, int first, int valid,
+                                          bool vec) {
+  if constexpr (!std::is_same_v<T, NoneT>) {
+    if (vec) return l.store(dst, Tile<true, kInt8Lanes>{base, 0});
+#pragma unroll
+    for (int j = 0; j < kInt8Lanes; ++j)
+      if (j < valid) dst[first + j] = from_float<T>(l.x[j]);
+  }
+}
+
+__device__ __forceinline__ void load_codes(uint32_t (&c)[kInt8Lanes], const uint8_t* src, int first, int valid,
+                                           bool vec) {
+  if (vec) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src + first);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      c[j] = (w.x >> (8 * j)) & 0xffu;
+      c[j + 4] = (w.y >> (8 * j)) & 0xffu;
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kInt8Lanes; ++j) c[j] = j < valid ? src[first + j] : 0u;
+}
+
+__device__ __forceinline__ void store_codes(const uint32_t (&c)[kInt8Lanes], uint8_t* dst, int first, int valid,
+                                            bool vec) {
+  if (vec) {
+    uint2 w{0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      w.x |= c[j] << (8 * j);
+      w.y |= c[j + 4] << (8 * j);
+    }
+    *reinterpret_cast<uint2*>(dst + first) = w;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kInt8Lanes; ++j)
+    if (j < valid) dst[first + j] = uint8_t(c[j]);
+}
+
+// Lists: 0 params, 1 grads, 2 exp_avg codes, 3 exp_avg_sq codes, 4 copies,
+// 5 exp_avg scales, 6 exp_avg_sq scales (one per block of the whole tensor).
+template <typename P, typename G, typename C>
+__global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7> meta, AdamArgs args, int block) {
+  using int8::ExpAvgCode;
+  using int8::ExpAvgSqCode;
+  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // skipped step
+  __shared__ AdamConsts shared;
+  if (threadIdx.x == 0) shared = adam_consts(args);
+  __syncthreads();
+  const AdamConsts k = shared;
+
+  const ChunkRef c = chunk_ref(meta);
+  P* p = chunk_ptr<P>(meta, 0, c);
+  const G* g = chunk_ptr<G>(meta, 1, c);
+  uint8_t* m = chunk_ptr<uint8_t>(meta, 2, c);
+  uint8_t* v = chunk_ptr<uint8_t>(meta, 3, c);
+  C* copy = chunk_ptr<C>(meta, 4, c);
+  float* m_scales = static_cast<float*>(meta.addr[5][c.tensor]) + c.offset / block;
+  float* v_scales = static_cast<float*>(meta.addr[6][c.tensor]) + c.offset / block;
+  const bool aligned = aligned16(p) && aligned16(g) && aligned16(copy) && reinterpret_cast<uintptr_t>(m) % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(v) % 8 == 0;
+  const int group = block / kInt8Lanes;
+  for (int base = 0; base < c.n; base += kBlockSize * kInt8Lanes) {  // the same passes in every thread
+    const int first = base + int(threadIdx.x) * kInt8Lanes;
+    const int valid = min(max(c.n - first, 0), kInt8Lanes);
+    const bool vec = aligned && valid == kInt8Lanes;
+    const int q = first / block;  // the quantization block, within the chunk
+    const float old_ms = valid > 0 ? m_scales[q] : 0.0f, old_vs = valid > 0 ? v_scales[q] : 0.0f;
+    Lanes<P, kInt8Lanes> pl;
+    Lanes<G, kInt8Lanes> gl;
+    Lanes<C, kInt8Lanes> cl;
+    uint32_t mc[kInt8Lanes], vc[kInt8Lanes];
+    load_run(pl, p, base, first, valid, vec);
+    load_run(gl, g, base, first, valid, vec);
+    load_codes(mc, m, first, valid, vec);
+    load_codes(vc, v, first, valid, vec);
+    float mx[kInt8Lanes], vx[kInt8Lanes];
+    uint32_t m_max = 0, v_max = 0;
+#pragma unroll
+    for (int j = 0; j < kInt8Lanes; ++j) {
+      mx[j] = ExpAvgCode::decode(mc[j], old_ms);
+      vx[j] = ExpAvgSqCode::decode(vc[j], old_vs);
+      adam_math<true>(pl.x[j], gl.x[j], mx[j], vx[j], k);
+      cl.x[j] = pl.x[j];
+      if (j < valid) {  // past the end: not part of the block
+        m_max = max(m_max, int8::bits_of(mx[j]) & int8::kAbsMask);
+        v_max = max(v_max, int8::bits_of(vx[j]) & int8::kAbsMask);
+      }
+    }
+    store_run(pl, p, base, first, valid, vec);
+    store_run(cl, copy, base, first, valid, vec);
+    group_max(m_max, v_max, group);
+    const int8::Scale ms = int8::scale_of(m_max), vs = int8::scale_of(v_max);
+#pragma unroll
+    for (int j = 0; j < kInt8Lanes; ++j) {
+      mc[j] = int8::encode<ExpAvgCode>(mx[j], ms);
+      vc[j] = int8::encode<ExpAvgSqCode>(vx[j], vs);
+    }
+    store_codes(mc, m, first, valid, vec);
+    store_codes(vc, v, first, valid, vec);
+    if (valid > 0 && threadIdx.x % group == 0) {
+      m_scales[q] = ms.scale;
+      v_scales[q] = vs.scale;
+    }
+  }
+}
+
+template <typename P, typename G, typename C>
+int launch_adam_int8(void* const* const (&lists)[7], const int64_t* numel, int n, const AdamArgs& args, int block,
+                     cudaStream_t stream) {
+  return multi_tensor_apply<7>(lists, numel, n, [&](const TensorListMeta<7>& meta, int blocks) {
+    adam_int8_kernel<P, G, C><<<blocks, kBlockSize, 0, stream>>>(meta, args, block);
+    return check_launch("adam_int8_kernel");
+  });
 }
 
 }  // namespace
@@ -254,5 +446,52 @@ extern "C" int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void
       return launch_adam<typename decltype(pt)::type, typename decltype(gt)::type, typename decltype(st)::type,
                          typename decltype(ct)::type>(lists, numel, n, args, s);
     });
+  });
+}
+
+extern "C" int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m, void* const* v,
+                                 void* const* copy, void* const* m_scales, void* const* v_scales,
+                                 const int64_t* numel, int n, int p_dtype, int g_dtype, int c_dtype,
+                                 int64_t block_size, const fz_adam_hyper* hyper, const float* step,
+                                 const float* grad_scale, const float* found_inf, void* stream) {
+  using namespace fz;
+  constexpr const char* fn = "fz_cuda_adam_int8";
+  return guarded(fn, [&]() -> int {
+    if (hyper == nullptr)
+      return set_error(FZ_ERR_INVALID_ARGUMENT,
+                       std::string(fn) + ": hyper is null (pass the hyperparameters as an fz_adam_hyper)");
+    if (block_size < 64 || block_size > 4096 || (block_size & (block_size - 1)) != 0)
+      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": block_size " + std::to_string(block_size) +
+                                                    " is not a power of two from 64 to 4096");
+    if (n < 0) return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": negative tensor count");
+    if (n == 0) return FZ_OK;
+    if (step == nullptr)
+      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": step is null (pass the device step counter)");
+    if (c_dtype != kNone && copy == nullptr)
+      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": a copy dtype without copies");
+    int rc = check_list(fn, "params", p, numel, n, p_dtype);
+    if (!rc) rc = check_list(fn, "grads", g, numel, n, g_dtype);
+    if (!rc) rc = check_list_of(fn, "exp_avgs", m, numel, n, 1, "uint8");
+    if (!rc) rc = check_list_of(fn, "exp_avg_sqs", v, numel, n, 1, "uint8");
+    if (!rc && c_dtype != kNone) rc = check_list(fn, "param_copies", copy, numel, n, c_dtype);
+    if (rc) return rc;
+    std::vector<int64_t> blocks(static_cast<size_t>(n));  // scales per tensor (numel >= 0: checked above)
+    for (int i = 0; i < n; ++i) blocks[i] = (numel[i] + block_size - 1) / block_size;
+    rc = check_list(fn, "exp_avg_absmax", m_scales, blocks.data(), n, kF32);
+    if (!rc) rc = check_list(fn, "exp_avg_sq_absmax", v_scales, blocks.data(), n, kF32);
+    if (rc) return rc;
+    const AdamArgs args{*hyper, step, grad_scale, found_inf, -1};
+    void* const* const lists[7] = {p, g, m, v, c_dtype == kNone ? nullptr : copy, m_scales, v_scales};
+    const auto s = static_cast<cudaStream_t>(stream);
+    (void)cudaGetLastError();  // forget a failure of an earlier call on this thread
+    rc = dispatch_params(p_dtype, g_dtype, c_dtype, [&](auto pt, auto gt, auto ct) {
+      return launch_adam_int8<typename decltype(pt)::type, typename decltype(gt)::type,
+                              typename decltype(ct)::type>(lists, numel, n, args, int(block_size), s);
+    });
+    if (rc >= 0) return rc;
+    return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": unsupported dtypes (params " +
+                                                  dtype_name(p_dtype) + ", grads " + dtype_name(g_dtype) +
+                                                  ", copies " + dtype_name(c_dtype) + "); supported: uint8 codes for " +
+                                                  kParamCombos);
   });
 }

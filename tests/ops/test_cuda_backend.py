@@ -176,6 +176,7 @@ int main() {
     check<1>(c);
     check<4>(c);
     check<5>(c);
+    check<7>(c);  // int8 Adam: codes and scales beside the five lists
   }
   std::printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;

@@ -1,5 +1,6 @@
 """The CUDA backend of Adam (csrc/cuda/multi_tensor_adam.cu): one pass over
-memory per dtype combination, per-step scalars read on the device."""
+memory per dtype combination, per-step scalars read on the device; int8
+block-wise states through their own entry (fz_cuda_adam_int8)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from torch import Tensor
 
 from fastzero.checks import check_device_step, check_state_format
-from fastzero.native import check_rc, cuda_lib
+from fastzero.native import DTYPE_CODES, NO_DTYPE, check_rc, cuda_lib
 from fastzero.ops.adam.hyperparams import AdamHyperparams
+from fastzero.ops.adam.int8_codes import DEFAULT_BLOCK
 from fastzero.ops.marshal import dtype_codes, dtype_groups, numels, pointers, ptr, stream
 
 _CPU_HINT = "; for CPU tensors use fastzero.ops.CPUAdam (or cpu_adam_step), or FusedAdam, which takes its CPU path"
@@ -29,6 +31,9 @@ def adam_step(
     param_copies: list[Tensor] | None = None,
     state_format: str | None = None,
     seed: int | None = None,
+    exp_avg_absmax: list[Tensor] | None = None,
+    exp_avg_sq_absmax: list[Tensor] | None = None,
+    block_size: int | None = None,
     **hyper,
 ) -> None:
     r"""One Adam/AdamW step over lists of CUDA tensors:
@@ -42,9 +47,14 @@ def adam_step(
     ``state_format="bf16"``: bf16 states (for params of any dtype) written with
     stochastic rounding keyed by ``seed`` (default 0), the step and each
     element's index, the reference's bits (fastzero.ops.adam.reference).
+    ``state_format="int8"``: exp_avgs and exp_avg_sqs are uint8 codes and
+    ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` their fp32 block scales (one
+    per ``block_size`` elements, default 256, a power of two from 64 to
+    4096), decoded, updated and encoded again in one pass, the reference's
+    bits (fastzero.ops.adam.int8_codes).
     """
     hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
-    check_state_format("adam_step", state_format, seed)
+    check_state_format("adam_step", state_format, seed, block_size)
     scalars = {"step": step, "grad_scale": grad_scale, "found_inf": found_inf}
     check_device_step(
         "adam_step",
@@ -56,6 +66,9 @@ def adam_step(
         scalars,
         hint=_CPU_HINT,
         state_format=state_format,
+        exp_avg_absmax=exp_avg_absmax,
+        exp_avg_sq_absmax=exp_avg_sq_absmax,
+        block_size=block_size,
     )
     launch(
         params,
@@ -69,6 +82,9 @@ def adam_step(
         param_copies=param_copies,
         state_format=state_format,
         seed=seed,
+        exp_avg_absmax=exp_avg_absmax,
+        exp_avg_sq_absmax=exp_avg_sq_absmax,
+        block_size=block_size,
     )
 
 
@@ -85,10 +101,29 @@ def launch(
     param_copies=None,
     state_format=None,
     seed=None,
+    exp_avg_absmax=None,
+    exp_avg_sq_absmax=None,
+    block_size=None,
 ):
     """:func:`adam_step` on lists that were checked. The hyperparameters
     cross whole, as one fz_adam_hyper; the kernel derives its constants."""
     if not params:
+        return
+    if state_format == "int8":
+        _launch_int8(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            exp_avg_absmax,
+            exp_avg_sq_absmax,
+            step=step,
+            hp=hp,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            param_copies=param_copies,
+            block=DEFAULT_BLOCK if block_size is None else block_size,
+        )
         return
     sr_seed = (0 if seed is None else int(seed)) if state_format == "bf16" else -1
     device = params[0].device
@@ -110,6 +145,38 @@ def launch(
                 ptr(grad_scale),
                 ptr(found_inf),
                 sr_seed,
+                stream(device),
+            )
+            check_rc(lib, rc, "adam_step")
+
+
+def _launch_int8(
+    params, grads, exp_avgs, exp_avg_sqs, m_scales, v_scales, *, step, hp, grad_scale, found_inf, param_copies, block
+):
+    """int8 states: one fz_cuda_adam_int8 call per (param, grad, copy) dtype combination."""
+    device = params[0].device
+    lib = cuda_lib("adam_step")
+    hyper = hp.c_struct()
+    with torch.cuda.device(device):
+        for (p_dtype, g_dtype, _, c_dtype), idx in dtype_groups(params, grads, exp_avgs, param_copies).items():
+            rc = lib.fz_cuda_adam_int8(
+                pointers(params, idx),
+                pointers(grads, idx),
+                pointers(exp_avgs, idx),
+                pointers(exp_avg_sqs, idx),
+                None if param_copies is None else pointers(param_copies, idx),
+                pointers(m_scales, idx),
+                pointers(v_scales, idx),
+                numels(params, idx),
+                len(idx),
+                DTYPE_CODES[p_dtype],
+                DTYPE_CODES[g_dtype],
+                NO_DTYPE if c_dtype is None else DTYPE_CODES[c_dtype],
+                block,
+                ctypes.byref(hyper),
+                step.data_ptr(),
+                ptr(grad_scale),
+                ptr(found_inf),
                 stream(device),
             )
             check_rc(lib, rc, "adam_step")
