@@ -144,7 +144,16 @@ def build_optimizer(
     hyperparameters), `shard_params` what the rank updates for each."""
     opt = cfg.optimizer
     if client is not None and opt.type:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an optimizer section: keep one")
+        fmt = opt.params.get("state_format", "fp32")
+        hint = (
+            f"; for {fmt} states with your own param groups pass fastzero.ops.FusedAdam(..., state_format={fmt!r}) "
+            "as the optimizer (its format is kept)"
+            if fmt != "fp32"
+            else ""
+        )
+        raise ConfigError(
+            f"an optimizer was passed to initialize() and the config has an optimizer section: keep one{hint}"
+        )
     if client is not None and not isinstance(client, torch.optim.Optimizer):
         if not callable(client):
             raise ConfigError(f"optimizer={client!r}: pass a torch.optim.Optimizer or a callable(params) -> one")

@@ -22,6 +22,7 @@ import torch
 
 import fastzero
 from fastzero.checkpoint import consolidate
+from fastzero.config import ConfigError
 from fastzero.ops import FusedAdam
 from fastzero.ops.adam import int8_codes
 from fastzero.ops.adam.reference import sr_bits, sr_seed_at
@@ -114,6 +115,13 @@ def test_a_fastzero_client_optimizer_keeps_its_state_format(offloaded):
     seeded = FusedAdam(model.parameters(), state_format="bf16", seed=9)
     _, opt, *_ = fastzero.initialize(model=model, optimizer=seeded, config=config)
     assert (opt.state_format, opt.seed) == ("bf16", 9)
+
+
+def test_a_format_in_the_config_beside_a_client_optimizer_is_refused_naming_the_fix():
+    model = make_model()
+    config = cfg(optimizer={"type": "AdamW", "params": {"state_format": "int8"}})
+    with pytest.raises(ConfigError, match=r"keep one; for int8 states .*FusedAdam\(\.\.\., state_format='int8'\)"):
+        fastzero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
 
 
 # -- ZeRO-Offload ---------------------------------------------------------------------------------------
