@@ -130,10 +130,23 @@ class ZeroConfig:
     zero_quantized_gradients_rounding: str = _opt("stochastic", "choice", choices=("stochastic", "nearest"))
 
 
+# Adam's and AdamW's state format (docs/zero.md, "Optimizer state formats"): how exp_avg and exp_avg_sq are
+# stored, DeepSpeed's fp32_optimizer_states beside it; resolved by _state_format into state_format (and seed for
+# bf16, block_size for int8)
+STATE_FORMAT_PARAMS = dict(state_format=None, fp32_optimizer_states=None, seed=None, block_size=None)
+STATE_FORMAT_TYPES = ("adam", "adamw")
 OPTIMIZER_PARAMS = {
     # type -> allowed params (DeepSpeed's names) and fastzero's defaults
-    "adam": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True, bias_correction=True),
-    "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True),
+    "adam": dict(
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        adam_w_mode=True,
+        bias_correction=True,
+        **STATE_FORMAT_PARAMS,
+    ),
+    "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, **STATE_FORMAT_PARAMS),
     "lamb": dict(
         lr=1e-3,
         betas=(0.9, 0.999),
@@ -631,11 +644,21 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     for name in opt.params:
         if name in OPTIMIZER_UNSUPPORTED_PARAMS or (name == "comm_backend_name" and key not in ONEBIT_FAMILY):
             raise ConfigNotSupported(f"optimizer.params.{name}: not supported by fastzero's {OPTIMIZER_NAMES[key]}")
+        if name in STATE_FORMAT_PARAMS and key not in STATE_FORMAT_TYPES:
+            raise ConfigNotSupported(
+                f"optimizer.params.{name}: {OPTIMIZER_NAMES[key]} keeps its states in fp32; the state formats "
+                "(state_format 'fp32', 'param_dtype', 'bf16' with seed, 'int8' with block_size; DeepSpeed's "
+                f"fp32_optimizer_states) are Adam's and AdamW's: use optimizer.type Adam or AdamW, or leave {name} out"
+            )
         if name not in allowed:
             raise _unknown(f"optimizer.params ({OPTIMIZER_NAMES[key]}).", name, list(allowed))
     params = {**allowed, **opt.params}
+    if key in STATE_FORMAT_TYPES:
+        params.update(_state_format({k: params.pop(k) for k in STATE_FORMAT_PARAMS}))
     for name, value in params.items():
         path = f"optimizer.params.{name}"
+        if name in STATE_FORMAT_PARAMS:
+            continue  # checked by _state_format
         if name == "betas":
             pair = isinstance(value, (list, tuple)) and len(value) == 2
             if not pair or not all(_is_number(b) and 0 <= b < 1 for b in value):
@@ -662,6 +685,48 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     if key in ("zerooneadam", "onebitlamb"):
         _check_onebit_family(OPTIMIZER_NAMES[key], params)
     return replace(opt, type=OPTIMIZER_NAMES[key], params=params)
+
+
+def _state_format(given: dict) -> dict:
+    """Adam's ``state_format`` (with ``seed`` for bf16, ``block_size`` for
+    int8) from the optimizer params of :data:`STATE_FORMAT_PARAMS`: checked,
+    DeepSpeed's ``fp32_optimizer_states`` folded in (true is 'fp32', false
+    'param_dtype'; given with state_format, the two must agree)."""
+    from fastzero.checks import INT8_BLOCK_SIZES, STATE_FORMATS  # imports torch: only here, as _torch_optimizer
+
+    fmt, fp32, seed, block = (given[k] for k in STATE_FORMAT_PARAMS)
+    if fp32 is not None:
+        fp32 = _check_value("optimizer.params.fp32_optimizer_states", fp32, dict(kind="bool"))
+    if fmt is None:
+        fmt = "param_dtype" if fp32 is False else "fp32"
+    fmt = _check_value("optimizer.params.state_format", fmt, dict(kind="choice", choices=STATE_FORMATS))
+    if fp32 is not None and fp32 != (fmt == "fp32"):
+        raise ConfigError(
+            f"optimizer.params.fp32_optimizer_states = {json.dumps(fp32)} contradicts optimizer.params.state_format "
+            f"= {fmt!r}: keep one (fp32_optimizer_states true is state_format 'fp32', false is 'param_dtype')"
+        )
+    out = {"state_format": fmt}
+    if seed is not None:
+        if fmt != "bf16":
+            raise ConfigError(
+                f"optimizer.params.seed = {seed!r}: the seed of stochastic rounding, which only state_format 'bf16' "
+                f"does (state_format is {fmt!r}); set state_format: 'bf16', or leave seed out"
+            )
+        out["seed"] = _check_value("optimizer.params.seed", seed, dict(kind="int", low=0, high=2**32 - 1))
+    if block is not None:
+        if fmt != "int8":
+            raise ConfigError(
+                f"optimizer.params.block_size = {block!r}: the block of int8 states' scales (state_format is "
+                f"{fmt!r}); set state_format: 'int8', or leave block_size out"
+            )
+        block = _check_value("optimizer.params.block_size", block, dict(kind="int", low=0))
+        if block not in INT8_BLOCK_SIZES:
+            raise ConfigError(
+                f"optimizer.params.block_size = {block}: int8 states take a power of two from 64 to 4096 "
+                f"({', '.join(map(str, INT8_BLOCK_SIZES))}; default 256)"
+            )
+        out["block_size"] = block
+    return out
 
 
 def _check_onebit_family(name: str, params: dict) -> None:

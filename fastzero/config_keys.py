@@ -109,7 +109,11 @@ KEYS: dict[str, Key] = {
     # -- optimizer and scheduler ----------------------------------------------------------------------------------
     "optimizer": done("the optimizer, by type and params"),
     "optimizer.type": done("one of the types below (case-insensitive)"),
-    "optimizer.params": done("the type's hyperparameters, checked by name (docs/optimizers.md)"),
+    "optimizer.params": done(
+        "the type's hyperparameters, checked by name (docs/optimizers.md); Adam and AdamW also take state_format "
+        "('fp32' default, 'param_dtype', 'bf16' with seed, 'int8' with block_size) and DeepSpeed's "
+        "fp32_optimizer_states (docs/zero.md, optimizer state formats)"
+    ),
     "optimizer.legacy_fusion": refused("DeepSpeed's legacy fp16 fused optimizer is not implemented"),
     "optimizer.type=adam": done("Adam (fastzero.ops); adam_w_mode true (default): AdamW's decoupled decay"),
     "optimizer.type=adamw": done("AdamW (fastzero.ops)"),
@@ -159,7 +163,10 @@ KEYS: dict[str, Key] = {
     "bf16.immediate_grad_update": refused("gradients are reduced in buckets, then stepped; not implemented"),
     "bf16.check_grad_overflow": refused("a non-finite gradient is handled by non_finite_grads (skip or raise)"),
     "bf16.bf16_master_weights_and_grads": refused("the masters are always fp32"),
-    "bf16.bf16_optimizer_states": refused("the optimizer states are always fp32"),
+    "bf16.bf16_optimizer_states": refused(
+        "DeepSpeed's bf16 states are rounded to nearest; fastzero's are optimizer.params.state_format: 'bf16' "
+        "(stochastic rounding) or 'int8' (block-wise), for Adam and AdamW (docs/zero.md)"
+    ),
     "bfloat16": alias("bf16"),
     "amp": refused(f"{REMOVED}; use bf16 or fp16"),
     "torch_autocast": refused("torch.autocast around the forward is not implemented; use bf16 or fp16"),

@@ -189,6 +189,58 @@ def test_optimizer_names_and_params():
     assert lamb.type == "Lamb" and lamb.params["max_coeff"] == 5.0 and lamb.params["min_coeff"] == 0.01
 
 
+def adam(**params) -> dict:
+    return cfg(optimizer={"type": "AdamW", "params": params})
+
+
+@pytest.mark.parametrize(
+    "params, resolved",
+    [
+        ({}, {"state_format": "fp32"}),
+        ({"state_format": "BF16"}, {"state_format": "bf16"}),
+        ({"state_format": "bf16", "seed": 7}, {"state_format": "bf16", "seed": 7}),
+        ({"state_format": "int8", "block_size": 1024}, {"state_format": "int8", "block_size": 1024}),
+        ({"fp32_optimizer_states": False}, {"state_format": "param_dtype"}),
+        ({"fp32_optimizer_states": True, "state_format": "fp32"}, {"state_format": "fp32"}),
+        ({"fp32_optimizer_states": False, "state_format": "int8"}, {"state_format": "int8"}),
+    ],
+)
+def test_adam_state_formats_resolve(params, resolved):
+    got = load_config(adam(**params)).optimizer.params
+    format_keys = ("state_format", "seed", "block_size", "fp32_optimizer_states")
+    assert {k: v for k, v in got.items() if k in format_keys} == resolved
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (adam(state_format="int4"), r"state_format = 'int4': must be one of fp32, bf16, param_dtype, int8"),
+        (
+            adam(state_format="bf16", fp32_optimizer_states=True),
+            r"fp32_optimizer_states = true contradicts optimizer.params.state_format = 'bf16': keep one",
+        ),
+        (adam(fp32_optimizer_states="no"), r"fp32_optimizer_states = 'no': must be true or false"),
+        (adam(seed=3), r"seed = 3: the seed of stochastic rounding.*set state_format: 'bf16', or leave seed out"),
+        (adam(state_format="bf16", seed=2**32), r"seed = 4294967296: must be <= 4294967295"),
+        (adam(state_format="fp32", block_size=256), r"block_size = 256: .*set state_format: 'int8'"),
+        (adam(state_format="int8", block_size=100), r"block_size = 100: int8 states take a power of two"),
+        (adam(state_formt="int8"), r"state_formt: no such key; did you mean 'state_format'"),
+        (
+            cfg(optimizer={"type": "Lamb", "params": {"state_format": "bf16"}}),
+            r"optimizer.params.state_format: Lamb keeps its states in fp32; .* are Adam's and AdamW's",
+        ),
+        (
+            cfg(optimizer={"type": "OneBitAdam", "params": {"fp32_optimizer_states": False}}),
+            r"fp32_optimizer_states: OneBitAdam keeps .* use optimizer.type Adam or AdamW",
+        ),
+        (cfg(bf16={"enabled": True, "bf16_optimizer_states": True}), r"optimizer.params.state_format: 'bf16'"),
+    ],
+)
+def test_state_formats_are_refused_where_they_cannot_work(config, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(config)
+
+
 def test_scheduler_defaults_are_deepspeeds():
     s = load_config(cfg(scheduler={"type": "WarmupLR"})).scheduler
     assert s.params == dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log")

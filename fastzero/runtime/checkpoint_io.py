@@ -65,6 +65,7 @@ finding a tag's files.
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ from fastzero.runtime import checkpoint_tp as tp
 from fastzero.runtime.checkpoint_files import CheckpointError, CheckpointSaveError, check_tag, rank_file, resolve
 from fastzero.runtime.checkpoint_manifest import FORMAT, VERSION, read_checked, read_manifest
 from fastzero.runtime.groups import PieceState
+
+log = logging.getLogger(__name__)
 
 __all__ = [  # with what the other checkpoint modules hold, the public names stay here
     "FORMAT",
@@ -236,6 +239,7 @@ def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclud
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "onebit_errors": _has_errors(engine),
         "optimizer": _state_kind(engine),
+        "state_format": _state_format(engine),
         "groups": union["groups"],
         "params": union["params"],
         "files": {rank_file(r): idx for r, (idx, _, _) in enumerate(payloads)},
@@ -852,6 +856,56 @@ def _check_layout(manifest: dict, engine, nodes, path: Path) -> set[str] | None:
     return {rank_file(r) for r in nodes.mine}
 
 
+def _state_format(engine) -> dict | None:
+    """The state format of fastzero's Adam-family optimizer (the pieces hold
+    fp32 values whatever it is): ``{"format", "seed", "block_size"}``, the
+    seed of bf16 states' stochastic rounding so that a resume rounds as the
+    uninterrupted run; None for a client optimizer."""
+    opt = engine.optimizer
+    fmt = getattr(opt, "state_format", None)
+    return None if fmt is None else {"format": fmt, "seed": opt.seed, "block_size": opt.block_size}
+
+
+def _load_state_format(engine, manifest: dict) -> None:
+    """After the pieces are in, in this optimizer's format: a bf16 one takes
+    the saved seed of bf16 states; the log says what was converted (a warning
+    where values were rounded: to bf16, to int8, or int8 re-encoded in other
+    blocks), on rank 0, as the optimizer's state-dict load does."""
+    ours = _state_format(engine)
+    if ours is None:
+        return
+    saved = manifest.get("state_format") or {"format": "fp32", "seed": None, "block_size": None}  # before formats
+    if saved["format"] == ours["format"] == "bf16" and saved["seed"] is not None:
+        engine.optimizer.seed = saved["seed"]
+    same_layout = (manifest["world_size"], manifest["stage"]) == (_comm(engine).world_size, engine.stage)
+    if _held_as(saved) == _held_as(ours) and (ours["format"] != "int8" or same_layout):
+        return
+    exact = _held_as(ours) == "fp32"  # decoding is exact; encoding rounds
+    how = "exact" if exact else "rounded to nearest" if ours["format"] == "bf16" else "encoded in this layout's blocks"
+    if _comm(engine).rank == 0:
+        log.log(
+            logging.INFO if exact else logging.WARNING,
+            "load_checkpoint: the checkpoint's optimizer states (state_format=%r: %s, saved by %d ranks at stage %d) "
+            "were converted to this optimizer's state_format=%r: %s, %s",
+            saved["format"],
+            _held_as(saved),
+            manifest["world_size"],
+            manifest["stage"],
+            ours["format"],
+            _held_as(ours),
+            how,
+        )
+
+
+def _held_as(fmt: dict) -> str:
+    """What states of a format hold, for the log (under the engine
+    "param_dtype" states are fp32: every low-precision param has an fp32
+    master)."""
+    if fmt["format"] == "int8":
+        return f"int8 (blocks of {fmt['block_size']})"
+    return "bf16" if fmt["format"] == "bf16" else "fp32"
+
+
 def _prepare(
     engine, located, strict: bool, optimizer_states: bool = True, nodes=None, trained: _Trained | None = None
 ) -> _Ready | None:
@@ -1073,6 +1127,7 @@ def _apply(
             h.wait()
         engine.module.load_state_dict(ready.module_state, strict=False)  # checked: only the non-trained names
         if load_optimizer_states:
+            _load_state_format(engine, manifest)
             _load_onebit_state(
                 engine, ready.own_file.get("onebit"), ready.same_world, manifest.get("onebit_errors", False)
             )

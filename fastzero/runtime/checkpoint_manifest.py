@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fastzero.checks import INT8_BLOCK_SIZES, STATE_FORMATS
 from fastzero.runtime.checkpoint_files import RANK_FILE, CheckpointError, crc32
 
 FORMAT, VERSION = "fastzero-checkpoint", 2
@@ -60,6 +61,20 @@ def _validate(manifest: Any, where: Path) -> None:
     need("loss_scaler", "an object or null", lambda v: v is None or isinstance(v, dict))
     if "onebit_errors" in manifest:
         need("onebit_errors", "a bool", lambda v: isinstance(v, bool))
+    if "state_format" in manifest:  # fastzero's Adam family (null: a client optimizer); absent before formats
+        need(
+            "state_format",
+            f'null or an object {{"format": one of {STATE_FORMATS}, "seed": int in [0, 2**32) or null, '
+            '"block_size": int or null}',
+            lambda v: (
+                v is None
+                or isinstance(v, dict)
+                and v.get("format") in STATE_FORMATS
+                and (v.get("seed") is None or _is_int(v["seed"], 0, 2**32 - 1))
+                and (v.get("block_size") is None or _is_int(v["block_size"], 1))
+                and (v["format"] != "int8" or v.get("block_size") in INT8_BLOCK_SIZES)
+            ),
+        )
     shape_ok = lambda s: isinstance(s, list) and all(_is_int(d, 0) for d in s)
     params = need(
         "params",

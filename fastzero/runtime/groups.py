@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from fastzero.comm import Handle
+from fastzero.runtime import packed_states
 from fastzero.runtime.optimizer_builder import param_state
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")  # what an Adam-family piece carries: fp32, hi - lo elements each
@@ -156,12 +157,19 @@ class ZeroGroup(Protocol):
         """Pieces out: the fp32 master and every per-element state tensor of
         each owned piece, as views of the live state (Adam's created as the
         first step would create it when no step has run), and the scalar state
-        of its optimizer tensor."""
+        of its optimizer tensor. States in a packed format (bf16, int8) are
+        fp32 values instead, decoded once per optimizer tensor into CPU
+        memory (:mod:`fastzero.runtime.packed_states`)."""
         out = []
+        decoded: tuple[Tensor, dict] | None = None  # packed formats: the last optimizer tensor's states, decoded
         for piece in self.owned(opt_params):
             live = param_state(optimizer, piece.opt_param)
             # fastzero's fused optimizers: state["step"] mirrors the group's counter, which the manifest keeps
             scalars = {} if getattr(optimizer, "group_steps", False) else _scalars(live)
+            if packed_states.packed(optimizer):
+                if decoded is None or decoded[0] is not piece.opt_param:
+                    decoded = (piece.opt_param, packed_states.unpack(optimizer, live))
+                live = decoded[1]
             state = _flat_state(live, piece.opt_param)
             window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
             out.append(PieceState(piece.name, piece.lo, piece.hi, {k: v[window] for k, v in state.items()}, scalars))
@@ -180,11 +188,19 @@ class ZeroGroup(Protocol):
         state as saved (each optimizer tensor's state becomes the saved keys:
         one it lacks is created, one the save lacks is dropped, the scalars
         are the saved ones); else only those keys (``("master",)``: the
-        weights)."""
+        weights). States in a packed format (bf16, int8) are decoded to fp32
+        per optimizer tensor, the pieces written into those, and encoded once
+        after all are in: a piece may start mid-block."""
+        codec = packed_states.packed(optimizer) and (keys is None or any(k != "master" for k in keys))
         with torch.no_grad():
             reset: set[int] = set()  # the optimizer tensors whose state was made the saved keys
+            unpacked: dict[int, tuple[dict, dict]] = {}  # packed formats: optimizer tensor -> (live, decoded)
             for piece in self.owned(opt_params):
                 live = param_state(optimizer, piece.opt_param)
+                if codec:
+                    if id(piece.opt_param) not in unpacked:
+                        unpacked[id(piece.opt_param)] = (live, packed_states.unpack(optimizer, live))
+                    live = unpacked[id(piece.opt_param)][1]
                 sources = [s for s in saved.get(piece.name, ()) if max(piece.lo, s.lo) < min(piece.hi, s.hi)]
                 if keys is None and sources and id(piece.opt_param) not in reset:
                     reset.add(id(piece.opt_param))
@@ -204,6 +220,8 @@ class ZeroGroup(Protocol):
                 if master.data_ptr() != piece.opt_param.data_ptr():  # low precision: the param from its master
                     window = slice(piece.offset, piece.offset + piece.hi - piece.lo)
                     piece.opt_param.reshape(-1)[window].copy_(master[window])
+            for live, work in unpacked.values():
+                packed_states.pack(optimizer, work, live)
 
     def reload_from_params(
         self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor], params: list[Tensor]

@@ -10,11 +10,21 @@ back to the device (a side CUDA stream on GPUs; a copy thread when the
 
 Staging: the grads come into a CPU buffer (and, with bf16/fp16 params, the
 param copy the kernel writes goes out of one). When the shard holds more
-than ``sub_group_size`` elements, those are two rotating buffers of at most
-``sub_group_size // 2`` elements each (the piece being updated and the one in
-flight), so staging is bounded by ``sub_group_size`` elements per kind; else
-one buffer the size of each tensor. The update is elementwise: any cut gives
-the same bits.
+than ``sub_group_size`` elements, those are two rotating buffers of
+``sub_group_size // 2`` elements each, rounded down to a power of two but at
+least one int8 block (the piece being updated and the one in flight), so
+staging is bounded by ``sub_group_size`` elements per kind (or two blocks);
+else one buffer the size of each tensor.
+
+The pieces are a power of two in size (at least one block of int8 states)
+and start at multiples of it, so each gives exactly the bits of one step over
+the whole shard, in every state format (:meth:`OffloadedAdam._piece_format`):
+fp32 states are elementwise; int8 states' blocks are whole in a piece (the
+scales of elements [lo, hi) are scales [lo // block, ceil(hi / block))); bf16
+states round with bits keyed by each element's index in its tensor, which a
+piece starting at `lo` would shift, so it takes the seed under which its
+indices draw the shard's bits (:func:`fastzero.ops.adam.reference.sr_seed_at`,
+exact for a piece of at most 2^k elements at a multiple of 2^k).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import torch
 from torch import Tensor
 
 from fastzero.ops import AdamHyperparams, CPUAdam, cpu_adam_step
+from fastzero.ops.adam.reference import sr_seed_at
 
 CHUNK = 1 << 22  # at most this many elements per pipelined piece (16 MiB of fp32 master)
 MIN_CHUNK = 1 << 16  # at least this many: each piece is one kernel call, and a call has a fixed cost
@@ -66,7 +77,9 @@ class OffloadedAdam(CPUAdam):
     """Adam/AdamW whose params are CPU fp32 masters of the given device
     tensors (the rank's shard chunks, each with its ``.grad``). ``step``
     brings the grads over, updates the masters and writes the device
-    tensors back, chunk by chunk."""
+    tensors back, chunk by chunk. The state format is CPUAdam's
+    (``state_format``, ``seed``, ``block_size``): the same bits as one
+    step over each shard tensor (the module's docstring)."""
 
     def __init__(
         self,
@@ -98,7 +111,7 @@ class OffloadedAdam(CPUAdam):
         # staging on the CPU: the grads that come in, and (low precision) the param copy the kernel writes
         total = sum(m.numel() for m in self.device_of)
         self.ring = total > sub_group_size  # rotating buffers of a piece each (see the module's docstring)
-        self.piece_cap = max(1, sub_group_size // 2) if self.ring else None
+        self.piece_cap = self._aligned(sub_group_size // 2) if self.ring else None
         low = first.dtype != torch.float32
         if self.ring:
             slot = lambda: torch.empty(self.piece_cap, dtype=first.dtype, pin_memory=self.pin)
@@ -121,8 +134,7 @@ class OffloadedAdam(CPUAdam):
             hp = AdamHyperparams.from_group(group)  # checks them too
             total = sum(m.numel() for m in group["params"])
             chunk = self.chunk or min(CHUNK, max(MIN_CHUNK, -(-total // PIECES)))
-            if self.ring:
-                chunk = min(chunk, self.piece_cap)
+            chunk = self._aligned(min(chunk, self.piece_cap) if self.ring else chunk)
             pieces = [(m, lo, min(lo + chunk, m.numel())) for m in group["params"] for lo in range(0, m.numel(), chunk)]
             if not pieces:
                 continue
@@ -154,6 +166,7 @@ class OffloadedAdam(CPUAdam):
                     hp=hp,
                     grad_scale=grad_scale,
                     param_copies=copies,
+                    **self._piece_format(state, group["step"], lo, hi),
                 )
                 out = m[lo:hi] if copies is None else copies[0]
                 outgoing.append(self.transfers.copy(self.device_of[m].reshape(-1)[lo:hi], out))
@@ -162,6 +175,28 @@ class OffloadedAdam(CPUAdam):
                 self.transfers.wait(handle)
             self._publish_step(gi, group)
         return None
+
+    def _aligned(self, n: int) -> int:
+        """The piece size for at most `n` elements: a power of two (the
+        pieces start at its multiples), at least one block of int8 states."""
+        return max(1 << (max(1, n).bit_length() - 1), self.block_size or 1)
+
+    def _piece_format(self, state: dict, step: int, lo: int, hi: int) -> dict:
+        """The state format's arguments of the step over elements [lo, hi) of
+        one master (a piece from :meth:`_aligned`'s sizes): bf16, the seed
+        under which the piece draws the whole master's bits; int8, the
+        scales of its blocks."""
+        if self.state_format == "bf16":
+            return {"state_format": "bf16", "seed": sr_seed_at(self.seed, step, lo)}
+        if self.state_format == "int8":
+            blocks = slice(lo // self.block_size, -(-hi // self.block_size))
+            return {
+                "state_format": "int8",
+                "exp_avg_absmax": [state["exp_avg_absmax"][blocks]],
+                "exp_avg_sq_absmax": [state["exp_avg_sq_absmax"][blocks]],
+                "block_size": self.block_size,
+            }
+        return {}
 
     def offloaded_bytes(self) -> dict[str, int]:
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)

@@ -76,8 +76,10 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]] 
         return "OneBitLamb", kwargs, [{k: g[k] for k in _ONEBIT_LAMB_KEYS if k in g} for g in groups]
     if isinstance(client, FusedLamb):
         return "Lamb", {}, [{k: g[k] for k in _LAMB_KEYS if k in g} for g in groups]
-    if isinstance(client, (FusedAdam, CPUAdam)):
-        return "Adam", {}, [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
+    if isinstance(client, (FusedAdam, CPUAdam)):  # with its state format (bf16's seed, int8's block size)
+        fmt = dict(state_format=client.state_format, seed=client.seed, block_size=client.block_size)
+        kwargs = {k: v for k, v in fmt.items() if v is not None}
+        return "Adam", kwargs, [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
     if type(client) in (torch.optim.Adam, torch.optim.AdamW):
         if any(g.get(key) for g in groups for key in ("amsgrad", "maximize")):
             return None  # the fused Adam does not implement them: torch's own Adam runs
@@ -142,7 +144,16 @@ def build_optimizer(
     hyperparameters), `shard_params` what the rank updates for each."""
     opt = cfg.optimizer
     if client is not None and opt.type:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an optimizer section: keep one")
+        fmt = opt.params.get("state_format", "fp32")
+        hint = (
+            f"; for {fmt} states with your own param groups pass fastzero.ops.FusedAdam(..., state_format={fmt!r}) "
+            "as the optimizer (its format is kept)"
+            if fmt != "fp32"
+            else ""
+        )
+        raise ConfigError(
+            f"an optimizer was passed to initialize() and the config has an optimizer section: keep one{hint}"
+        )
     if client is not None and not isinstance(client, torch.optim.Optimizer):
         if not callable(client):
             raise ConfigError(f"optimizer={client!r}: pass a torch.optim.Optimizer or a callable(params) -> one")

@@ -47,7 +47,10 @@ def config(run: dict) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": run.get("gas", 2),
-        "optimizer": {"type": "AdamW", "params": {"lr": run.get("lr", 1e-2), "weight_decay": 0.1}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": run.get("lr", 1e-2), "weight_decay": 0.1, **run.get("opt", {})},
+        },
         "gradient_clipping": run.get("clip", 0.5),
         "zero_optimization": {
             "stage": run["stage"],
@@ -79,6 +82,8 @@ def train(run: dict) -> None:
     else:
         model = make_model(run.get("model", "mlp"))
     engine, *_ = fastzero.initialize(model=model, config=config(run))
+    if run.get("chunk"):  # ZeRO-Offload: the pipelined step's pieces
+        engine.optimizer.chunk = run["chunk"]
     fetcher = engine.fetcher
     if fetcher is not None:
         fetcher.record_timeline = True
@@ -123,6 +128,7 @@ def train(run: dict) -> None:
                 for g in engine.groups
                 if hasattr(g, "layout")
             ],
+            state_numels=[t.numel() for g in engine.optimizer.param_groups for t in g["params"]],
             grad_launches=[e.launched - backward_end for e in engine.comm.events(tag="grad")],
             grad_ops=sorted({e.op for e in engine.comm.events(tag="grad")}),
             scales=scales,

@@ -80,6 +80,36 @@ def sr_param_bits(seed: int, step: int, index: Tensor) -> Tensor:
     return _fmix32(_sr_hash(seed, step, index) ^ PARAM_SALT) & 0xFFFF
 
 
+_UNMIX = (pow(0x85EBCA6B, -1, 1 << 32), pow(0xC2B2AE35, -1, 1 << 32))  # fmix32's multipliers, inverted
+
+
+def _unfmix32(h: int) -> int:
+    """The inverse of ``fmix32`` (each of its steps is a bijection of 32-bit words)."""
+    h ^= h >> 16
+    h = (h * _UNMIX[1]) & _M32
+    h ^= (h >> 13) ^ (h >> 26)
+    h = (h * _UNMIX[0]) & _M32
+    return h ^ (h >> 16)
+
+
+def sr_seed_at(seed: int, step: int, offset: int) -> int:
+    """The seed under which element ``j`` of a tensor draws, at `step`, the
+    bits that element ``offset + j`` of a larger tensor draws under `seed`
+    (:func:`sr_bits`), for every ``j < 2^k`` where ``2^k`` (at most 2^32)
+    divides `offset`. So a step over an aligned slice ``[offset, offset + n)``,
+    ``n <= 2^k``, rounds exactly as the step over the whole tensor (ZeRO-Offload
+    steps its shards in such pieces).
+
+    Why: there ``i mod 2^32 = (offset mod 2^32) ^ j`` and ``i >> 32 = offset >> 32``,
+    so the whole tensor's ``h = fmix32(j ^ key ^ (offset mod 2^32))``: the
+    slice needs the key ``key ^ (offset mod 2^32)``, and fmix32 is invertible."""
+    if offset == 0:
+        return seed
+    key = _fmix32((sr_stream(seed, step) + _GOLDEN * (offset >> 32)) & _M32)
+    stream = _unfmix32(key ^ (offset & _M32))
+    return _unfmix32(_unfmix32(stream) ^ (step & _M32))
+
+
 def round_bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
     """fp32 ``x`` to bf16 by stochastic rounding with the 16-bit integers ``r``:
     add ``r`` to x's bit pattern and keep its top 16 bits (truncate). x rounds
