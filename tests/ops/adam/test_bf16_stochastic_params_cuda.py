@@ -22,9 +22,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastzero.native import abi, build
+from fastzero.ops import FusedAdam
 from fastzero.ops.adam import AdamHyperparams, reference
 from fastzero.ops.adam import cuda as adam_cuda
 from fastzero.ops.adam import int8_codes as ic
+from tests.helpers import make_model, train
 from tests.ops.adam.test_int8_states_cuda import FAKE, _ptrs, same_bits
 from tests.ops.test_cuda_backend import _driver_present, _nvcc_or_skip
 
@@ -335,3 +337,20 @@ def test_found_inf_changes_nothing(fmt, flag):
     kw = dict(seed=13, bf16_stochastic_round=True, **format_args(fmt, kernel, 256), **HYPER)
     adam_cuda.adam_step(*kernel[:4], step=torch.tensor(1.0, device="cuda"), found_inf=found, **kw)
     check(kernel, before)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_adam_on_a_gpu_equals_the_reference_to_the_bit(fmt):
+    a, b = make_model(BF16).cuda(), make_model(BF16)
+    kw = dict(lr=1e-2, weight_decay=0.01, state_format=fmt, bf16_stochastic_round=True, seed=21)
+    opt_gpu, opt_ref = FusedAdam(a.parameters(), **kw), FusedAdam(b.parameters(), backend="reference", **kw)
+    train(a, opt_gpu, 4)
+    train(b, opt_ref, 4)
+    assert opt_gpu.last_backend == "cuda"
+    for p, q in zip(a.parameters(), b.parameters()):
+        same_bits(p.detach().cpu(), q.detach(), "param")
+        for key, k in opt_gpu.state[p].items():
+            if key != "step":
+                same_bits(k.cpu(), opt_ref.state[q][key], key)

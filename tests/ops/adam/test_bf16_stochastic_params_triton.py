@@ -10,8 +10,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from fastzero.ops import FusedAdam  # noqa: E402
 from fastzero.ops.adam import AdamHyperparams, int8_codes, reference  # noqa: E402
 from fastzero.triton_kernels import adam  # noqa: E402
+from tests.helpers import make_model, train  # noqa: E402
 from tests.ops.adam.test_int8_states_triton import assert_same_bits  # noqa: E402
 
 F32, BF16, F16, U8 = torch.float32, torch.bfloat16, torch.float16, torch.uint8
@@ -162,6 +164,24 @@ def test_found_inf_changes_nothing(fmt, found_inf):
     before = clone(lists)
     kernel_step(fmt, lists, 1, AdamHyperparams(**HYPER), grad_scale=2.0, found_inf=found_inf)
     assert_same(lists, before)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_adam_through_triton_equals_the_reference(fmt):
+    """FusedAdam drives the Triton kernel (a device step counter) and the
+    reference (an int) to the same bits: params and every state."""
+    a, b = make_model(BF16), make_model(BF16)
+    kw = dict(lr=1e-2, weight_decay=0.01, state_format=fmt, bf16_stochastic_round=True, seed=23)
+    opt_triton = FusedAdam(a.parameters(), backend="triton", **kw)
+    opt_ref = FusedAdam(b.parameters(), backend="reference", **kw)
+    train(a, opt_triton, 3)
+    train(b, opt_ref, 3)
+    assert opt_triton.last_backend == "triton" and opt_ref.last_backend == "reference"
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert_same_bits(p.detach().cpu(), q.detach(), "param")
+        for key, k in opt_triton.state[p].items():
+            if key != "step":
+                assert_same_bits(k.cpu(), opt_ref.state[q][key], key)
 
 
 def test_bad_arguments_are_refused():
