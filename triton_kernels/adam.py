@@ -21,6 +21,12 @@ results are the reference's to the bit. The host scalars that enter the
 fp64 bias corrections (lr, log beta) cross as the bit patterns of their
 doubles (int64), since Triton passes a Python float as fp32.
 
+bf16 params without an fp32 master written with stochastic rounding
+(``bf16_stochastic_round``, SR_PARAMS) take the same pinned update whatever
+the state format (fp32 or bf16 states rounded to nearest, bf16 states by
+stochastic rounding, int8) and the reference's ``sr_param_bits``: a second
+hash of the element's ``h``, so the params are the reference's to the bit.
+
 int8 block-wise states (``state_format="int8"``: uint8 codes, one fp32 scale
 per ``block_size`` elements; the rule of ``fastzero.ops.adam.int8_codes``) take
 the same pinned update in their own kernel: one program per tile of ROWS whole
@@ -55,6 +61,7 @@ from ._multi_tensor import (
 from .quant import _fmix32
 
 _M32 = 0xFFFFFFFF
+_PARAM_SALT = tl.constexpr(0x6A09E667)  # reference.PARAM_SALT: a param's random bits apart from its states'
 
 
 def _fp32(x: float) -> float:
@@ -153,7 +160,32 @@ def _store_bf16_sr(ptr, offs, x, r, mask):
 
 
 @triton.jit
-def _adam_block_sr(
+def _sr_key(step_ptr, seed_mix, start):
+    """The hash key of a work item's elements (reference._sr_hash), from fmix32(seed) and the
+    device step: items hold whole chunks, which never cross a multiple of 2^32."""
+    t_lo = tl.load(step_ptr).to(tl.int64) & 0xFFFFFFFF
+    stream = _fmix32(seed_mix ^ t_lo)
+    return _fmix32((stream + (start.to(tl.int64) >> 32) * 0x9E3779B9) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _sr_hash(offs, key):
+    """Each element's h from its flat index in its tensor: the states round with its halves."""
+    return _fmix32((offs.to(tl.int64) & 0xFFFFFFFF) ^ key)
+
+
+@triton.jit
+def _store_param(p_ptr, offs, p, h, mask, SR_PARAMS: tl.constexpr):
+    """The updated param: bf16 by stochastic rounding with a second hash of h (reference.sr_param_bits),
+    else the dtype's rounding to nearest."""
+    if SR_PARAMS:
+        _store_bf16_sr(p_ptr, offs, p, _fmix32(h ^ _PARAM_SALT) & 0xFFFF, mask)
+    else:
+        tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adam_block_pinned(
     p_ptr,
     g_ptr,
     m_ptr,
@@ -174,9 +206,12 @@ def _adam_block_sr(
     HAS_GRAD_SCALE: tl.constexpr,
     ADAMW: tl.constexpr,
     M_FROM_GRAD: tl.constexpr,
+    SR_STATES: tl.constexpr,
+    SR_PARAMS: tl.constexpr,
 ):
-    """One block with bf16 states written by stochastic rounding: offs are the elements'
-    flat indices in their tensor, key the item's hash key (reference.sr_bits)."""
+    """One block of the pinned update, with bf16 states (SR_STATES) and/or bf16 params (SR_PARAMS)
+    written by stochastic rounding, the others rounded to nearest: offs are the elements' flat
+    indices in their tensor, key the item's hash key (reference.sr_bits, sr_param_bits)."""
     p = _to_fp32(tl.load(p_ptr + offs, mask=mask))
     g = _to_fp32(tl.load(g_ptr + offs, mask=mask))
     m = _to_fp32(tl.load(m_ptr + offs, mask=mask))
@@ -199,10 +234,14 @@ def _adam_block_sr(
         ADAMW,
         M_FROM_GRAD,
     )
-    h = _fmix32((offs.to(tl.int64) & 0xFFFFFFFF) ^ key)
-    tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
-    _store_bf16_sr(m_ptr, offs, m, h & 0xFFFF, mask)
-    _store_bf16_sr(v_ptr, offs, v, h >> 16, mask)
+    h = _sr_hash(offs, key)
+    _store_param(p_ptr, offs, p, h, mask, SR_PARAMS)
+    if SR_STATES:
+        _store_bf16_sr(m_ptr, offs, m, h & 0xFFFF, mask)
+        _store_bf16_sr(v_ptr, offs, v, h >> 16, mask)
+    else:
+        tl.store(m_ptr + offs, _to_storage(m, m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offs, _to_storage(v, v_ptr.dtype.element_ty), mask=mask)
     if c_ptr is not None:
         tl.store(c_ptr + offs, _to_storage(p, c_ptr.dtype.element_ty), mask=mask)
 
@@ -278,12 +317,14 @@ def _adam_kernel(
     M_FROM_GRAD: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    SR_PARAMS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCKS_PER_ITEM: tl.constexpr,
 ):
     """One program per work item (``item_*_ptr`` start at this launch's first item).
     ``lr_bits``, ``log_beta*_bits``: doubles' bit patterns; ``seed_mix``: fmix32(seed)
-    of stochastic rounding (STOCHASTIC: bf16 states, the pinned update)."""
+    of stochastic rounding (STOCHASTIC: bf16 states; SR_PARAMS: bf16 params; either: the
+    pinned update)."""
     item = tl.program_id(0)
     found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
     if found_inf == 0.0:  # decided on the device: no host sync
@@ -302,16 +343,13 @@ def _adam_kernel(
         log_beta2 = tl.cast(tl.cast(log_beta2_bits, tl.int64), tl.float64, bitcast=True)
         bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, BIAS_CORRECTION)
         step_size = (lr / bc1).to(tl.float32)
-        if STOCHASTIC:
+        if STOCHASTIC or SR_PARAMS:
             bc2_rsqrt = (1.0 / tl.sqrt(bc2)).to(tl.float32)
             inv_grad_scale = tl.div_rn(tl.full((), 1.0, tl.float32), grad_scale) if HAS_GRAD_SCALE else 1.0
-            # the item's hash key: items hold whole chunks, which never cross a multiple of 2^32
-            t_lo = tl.load(step_ptr).to(tl.int64) & 0xFFFFFFFF
-            stream = _fmix32(seed_mix ^ t_lo)
-            key = _fmix32((stream + (start.to(tl.int64) >> 32) * 0x9E3779B9) & 0xFFFFFFFF)
+            key = _sr_key(step_ptr, seed_mix, start)
             for b in range(0, n_full):
                 offs = start + b * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-                _adam_block_sr(
+                _adam_block_pinned(
                     p_ptr,
                     g_ptr,
                     m_ptr,
@@ -332,11 +370,13 @@ def _adam_kernel(
                     HAS_GRAD_SCALE,
                     ADAMW,
                     M_FROM_GRAD,
+                    STOCHASTIC,
+                    SR_PARAMS,
                 )
             tail = start + n_full * BLOCK_SIZE
             if tail < end:
                 offs = tail + tl.arange(0, BLOCK_SIZE)
-                _adam_block_sr(
+                _adam_block_pinned(
                     p_ptr,
                     g_ptr,
                     m_ptr,
@@ -357,6 +397,8 @@ def _adam_kernel(
                     HAS_GRAD_SCALE,
                     ADAMW,
                     M_FROM_GRAD,
+                    STOCHASTIC,
+                    SR_PARAMS,
                 )
         else:
             sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
@@ -492,6 +534,7 @@ def _adam_tile_int8(
     vs_ptr,
     start,
     n,
+    key,
     inv_grad_scale,
     decay,
     weight_decay,
@@ -504,12 +547,14 @@ def _adam_tile_int8(
     HAS_GRAD_SCALE: tl.constexpr,
     ADAMW: tl.constexpr,
     M_FROM_GRAD: tl.constexpr,
+    SR_PARAMS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """ROWS blocks of one tensor from element `start`, one a row: decode with the old scales,
-    the pinned update, encode with the new ones. MASKED: the tensor ends inside the tile."""
+    the pinned update, encode with the new ones. MASKED: the tensor ends inside the tile.
+    SR_PARAMS: bf16 params written with stochastic rounding, keyed by `key`."""
     blocks = start // BLOCK + tl.arange(0, ROWS)
     offs = start + tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask, row_mask, zero = None, None, None
@@ -539,7 +584,7 @@ def _adam_tile_int8(
         ADAMW,
         M_FROM_GRAD,
     )
-    tl.store(p_ptr + offs, _to_storage(p, p_ptr.dtype.element_ty), mask=mask)
+    _store_param(p_ptr, offs, p, _sr_hash(offs, key) if SR_PARAMS else 0, mask, SR_PARAMS)
     if c_ptr is not None:
         tl.store(c_ptr + offs, _to_storage(p, c_ptr.dtype.element_ty), mask=mask)
     _int8_store(m, mask, row_mask, m_ptr, ms_ptr, offs, blocks, 15, True)
@@ -565,6 +610,7 @@ def _adam_int8_kernel(
     log_beta1_bits,
     log_beta2_bits,
     eps,
+    seed_mix,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     C_DTYPE: tl.constexpr,
@@ -574,11 +620,13 @@ def _adam_int8_kernel(
     ADAMW: tl.constexpr,
     M_FROM_GRAD: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
+    SR_PARAMS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """One program per work item: ROWS blocks of BLOCK elements of one tensor (the address table
-    holds the roles of INT8_ROLES: exp_avg, exp_avg_sq are uint8 codes, then their fp32 scales)."""
+    holds the roles of INT8_ROLES: exp_avg, exp_avg_sq are uint8 codes, then their fp32 scales).
+    SR_PARAMS: bf16 params written with stochastic rounding keyed by ``seed_mix`` (fmix32(seed))."""
     item = tl.program_id(0)
     found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
     if found_inf == 0.0:  # decided on the device: no host sync
@@ -602,6 +650,7 @@ def _adam_int8_kernel(
         bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, BIAS_CORRECTION)
         step_size = (lr / bc1).to(tl.float32)
         bc2_rsqrt = (1.0 / tl.sqrt(bc2)).to(tl.float32)
+        key = _sr_key(step_ptr, seed_mix, start) if SR_PARAMS else 0  # tiles never cross a multiple of 2^32
         # a full tile without masks (so that its loads vectorize), else the tensor's last tile
         if start + ROWS * BLOCK <= n:
             _adam_tile_int8(
@@ -614,6 +663,7 @@ def _adam_int8_kernel(
                 vs_ptr,
                 start,
                 n,
+                key,
                 inv_grad_scale,
                 decay,
                 weight_decay,
@@ -626,6 +676,7 @@ def _adam_int8_kernel(
                 HAS_GRAD_SCALE,
                 ADAMW,
                 M_FROM_GRAD,
+                SR_PARAMS,
                 BLOCK,
                 ROWS,
                 False,
@@ -641,6 +692,7 @@ def _adam_int8_kernel(
                 vs_ptr,
                 start,
                 n,
+                key,
                 inv_grad_scale,
                 decay,
                 weight_decay,
@@ -653,6 +705,7 @@ def _adam_int8_kernel(
                 HAS_GRAD_SCALE,
                 ADAMW,
                 M_FROM_GRAD,
+                SR_PARAMS,
                 BLOCK,
                 ROWS,
                 True,
@@ -671,6 +724,11 @@ def int8_launch_config(block: int) -> tuple[int, int]:
     return max(1, _INT8_TILE // block), 8 if block > _INT8_TILE else 4
 
 
+def _pinned_options(pinned: bool) -> dict:
+    """Launch options: the pinned update is compiled without multiply-add contraction."""
+    return {"enable_fp_fusion": False} if pinned and not INTERPRET else {}
+
+
 def launch(
     params,
     grads,
@@ -687,11 +745,13 @@ def launch(
     exp_avg_absmax=None,
     exp_avg_sq_absmax=None,
     block_size=None,
+    bf16_stochastic_round=False,
 ):
     """:func:`adam_step` on lists that were checked."""
     if not params:
         return
     stochastic = state_format == "bf16"
+    sr_params = lambda p_dt: bool(bf16_stochastic_round) and p_dt == tl.bfloat16  # noqa: E731
     # The first moment is torch's lerp with w = 1 - beta1 in fp32 (fz_lerp_coeff in csrc/common/hyperparams.h):
     # m + w (g - m) for w < 0.5, else g + (w - 1)(g - m), exact in fp32.
     w = _fp32(1.0 - hp.beta1)
@@ -717,8 +777,8 @@ def launch(
         M_FROM_GRAD=m_from_grad,
         BIAS_CORRECTION=bool(hp.bias_correction),
     )
-    if state_format in ("bf16", "int8") and not INTERPRET:
-        flags["enable_fp_fusion"] = False  # the pinned update: no multiply-add contraction
+    seed_mix = _host_fmix32((0 if seed is None else int(seed)) & _M32) if stochastic or bf16_stochastic_round else 0
+
     if state_format == "int8":
         block = _INT8_DEFAULT_BLOCK if block_size is None else block_size
         rows, num_warps = int8_launch_config(block)
@@ -738,17 +798,19 @@ def launch(
                 grad_scale,
                 found_inf,
                 *scalars,
+                seed_mix,
                 P_DTYPE=p_dt,
                 G_DTYPE=g_dt,
                 C_DTYPE=c_dt,
                 ALIGNED=grp.aligned,
                 **flags,
+                **_pinned_options(True),
+                SR_PARAMS=sr_params(p_dt),
                 BLOCK=block,
                 ROWS=rows,
                 num_warps=num_warps,
             )
         return
-    seed_mix = _host_fmix32((0 if seed is None else int(seed)) & _M32) if stochastic else 0
     block, per_item, num_warps = launch_config()
     wl = work_list([params, grads, exp_avgs, exp_avg_sqs, param_copies], block * per_item)
     for grp in wl.groups:
@@ -773,7 +835,9 @@ def launch(
             C_DTYPE=c_dt,
             ALIGNED=grp.aligned,
             **flags,
+            **_pinned_options(stochastic or sr_params(p_dt)),
             STOCHASTIC=stochastic,
+            SR_PARAMS=sr_params(p_dt),
             BLOCK_SIZE=block,
             BLOCKS_PER_ITEM=per_item,
             num_warps=num_warps,
@@ -797,6 +861,7 @@ def adam_step(
     exp_avg_absmax: list[Tensor] | None = None,
     exp_avg_sq_absmax: list[Tensor] | None = None,
     block_size: int | None = None,
+    bf16_stochastic_round: bool = False,
 ) -> None:
     """One Adam/AdamW step on every tensor of the lists, in place (formula in the
     module docstring); ``hp``: the hyperparameters (fastzero.ops.AdamHyperparams).
@@ -808,9 +873,11 @@ def adam_step(
     ``state_format="int8"``: exp_avgs/exp_avg_sqs are uint8 codes and
     ``exp_avg_absmax``/``exp_avg_sq_absmax`` their fp32 scales, one per
     ``block_size`` elements (default 256; fastzero.ops.adam.int8_codes), decoded,
-    updated and encoded again in the one pass.
+    updated and encoded again in the one pass. ``bf16_stochastic_round``: bf16 params
+    (kept without an fp32 master) written with stochastic rounding keyed by ``seed``,
+    after the pinned update (any state format); params of other dtypes as without it.
     """
-    check_state_format("the Triton kernels", state_format, seed, block_size)
+    check_state_format("the Triton kernels", state_format, seed, block_size, bf16_stochastic_round)
     check_inputs(
         params,
         grads,
@@ -838,4 +905,5 @@ def adam_step(
         exp_avg_absmax=exp_avg_absmax,
         exp_avg_sq_absmax=exp_avg_sq_absmax,
         block_size=block_size,
+        bf16_stochastic_round=bf16_stochastic_round,
     )

@@ -39,8 +39,10 @@ extern "C" {
  * Python refuses a mismatch. 2: the 1-bit pack and unpack. 3: the optimizer
  * hyperparameters as one struct (fz_adam_hyper, fz_lamb_hyper);
  * fz_cuda_clip_factor became fz_cuda_lamb_clip_factor. 5: fz_cuda_adam's
- * sr_seed (bf16 states written with stochastic rounding). 6: fz_cuda_adam_int8. */
-#define FZ_CUDA_ABI_VERSION 6
+ * sr_seed (bf16 states written with stochastic rounding). 6: fz_cuda_adam_int8.
+ * 7: seed, sr_states, sr_params of fz_cuda_adam and seed, sr_params of
+ * fz_cuda_adam_int8 (bf16 params written with stochastic rounding). */
+#define FZ_CUDA_ABI_VERSION 7
 
 enum {
   FZ_OK = 0,
@@ -61,15 +63,19 @@ FZ_API int fz_cuda_check_device(void);
 /* Adam/AdamW, fastzero/ops/adam/reference.py. p: fp32/fp16/bf16; g: any;
  * m, v: fp32 or p's dtype; copy (NULL or one per tensor): fp16/bf16, only
  * for fp32 p. hyper: not NULL. bias corrections 1 - beta^step are computed
- * on the device. sr_seed: -1, or in [0, 2^32): m and v are bf16 (for p of
- * any dtype; copies as with fp32 states), written with stochastic rounding
- * keyed by (sr_seed, step, element index), after the reference's pinned
- * update (every op rounded on its own). */
+ * on the device. seed: of stochastic rounding, in [0, 2^32) (any value when
+ * nothing rounds stochastically). sr_states nonzero: m and v are bf16 (for p
+ * of any dtype; copies as with fp32 states), written with stochastic
+ * rounding keyed by (seed, step, element index); sr_params nonzero: p is
+ * bf16 (no copy) and written with stochastic rounding by the same key
+ * (reference.sr_param_bits), with m and v fp32 or bf16 (rounded to nearest
+ * unless sr_states). Either: after the reference's pinned update (every op
+ * rounded on its own). */
 FZ_API int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* const* v,
                         void* const* copy, const int64_t* numel, int n, int p_dtype,
                         int g_dtype, int s_dtype, int c_dtype, const fz_adam_hyper* hyper,
                         const float* step, const float* grad_scale, const float* found_inf,
-                        int64_t sr_seed, void* stream);
+                        int64_t seed, int sr_states, int sr_params, void* stream);
 
 /* Adam/AdamW with int8 block-wise states, fastzero/ops/adam/int8_codes.py:
  * m and v are uint8 codes (one per element), m_scales and v_scales their
@@ -78,12 +84,14 @@ FZ_API int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* co
  * as fz_cuda_adam's stochastic-rounding path updates (the reference's
  * pinned update) and encoded again with new scales, all to the reference's
  * bits. p: fp32/fp16/bf16; g: any; copy (NULL or one per tensor): fp16/bf16,
- * only for fp32 p. hyper, step, grad_scale, found_inf: as fz_cuda_adam's. */
+ * only for fp32 p. hyper, step, grad_scale, found_inf, seed, sr_params: as
+ * fz_cuda_adam's. */
 FZ_API int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m, void* const* v,
                              void* const* copy, void* const* m_scales, void* const* v_scales,
                              const int64_t* numel, int n, int p_dtype, int g_dtype, int c_dtype,
                              int64_t block_size, const fz_adam_hyper* hyper, const float* step,
-                             const float* grad_scale, const float* found_inf, void* stream);
+                             const float* grad_scale, const float* found_inf, int64_t seed,
+                             int sr_params, void* stream);
 
 /* Per-chunk sums of (x / scale)^2 in fp64, into partials[0 .. chunks): the
  * first pass of an L2 norm over a list of tensors of one dtype. */

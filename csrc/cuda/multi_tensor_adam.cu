@@ -7,7 +7,10 @@
 // on its own, with the _rn intrinsics nvcc never contracts) and its random
 // bits, so they are the reference's to the bit. int8 block-wise states
 // (state_format="int8") take the same pinned update between decoding and
-// encoding (int8_codes.cuh), to the bit as well.
+// encoding (int8_codes.cuh), to the bit as well. bf16 params written with
+// stochastic rounding (SRP: bf16_stochastic_round) take the pinned update
+// too, whatever the states, rounded with the low 16 bits of a second hash of
+// each element's hash (reference sr_param_bits).
 #include <vector>
 
 #include "common.cuh"
@@ -24,7 +27,7 @@ struct AdamArgs {
   const float* step;
   const float* grad_scale;  // nullptr: 1
   const float* found_inf;   // nullptr: never skip
-  int64_t sr_seed;          // SR kernels: the seed of stochastic rounding
+  uint32_t seed;            // SR and SRP kernels: the seed of stochastic rounding
 };
 static_assert(sizeof(AdamArgs) < 300, "beside a chunk table, within the 4 KiB of kernel parameters (common.cuh)");
 
@@ -61,6 +64,24 @@ __device__ __forceinline__ uint16_t bf16_sr_bits(float x, uint32_t r) {
   return (b & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t((b + r) >> 16);
 }
 
+// The hash key of a chunk's elements (a chunk never crosses a multiple of 2^32).
+__device__ __forceinline__ uint32_t sr_key(const AdamConsts& k, int64_t offset) {
+  return fmix32(k.sr_stream + 0x9e3779b9u * uint32_t(uint64_t(offset) >> 32));
+}
+
+// Which 16 random bits of an element's hash h round what: exp_avg the low
+// half, exp_avg_sq the high half, a bf16 param (SRP) the low half of a
+// second hash (reference sr_bits, sr_param_bits).
+enum class SrBits { kExpAvg, kExpAvgSq, kParam };
+constexpr uint32_t kParamSalt = 0x6a09e667u;
+
+template <SrBits kWhich>
+__device__ __forceinline__ uint32_t sr_bits(uint32_t h) {
+  if constexpr (kWhich == SrBits::kExpAvg) return h & 0xffffu;
+  if constexpr (kWhich == SrBits::kExpAvgSq) return h >> 16;
+  return fmix32(h ^ kParamSalt) & 0xffffu;
+}
+
 // Everything Adam derives from its hyperparameters, in one place.
 __device__ AdamConsts adam_consts(const AdamArgs& a) {
   const fz_adam_hyper& h = a.hyper;
@@ -81,7 +102,7 @@ __device__ AdamConsts adam_consts(const AdamArgs& a) {
   k.bc2_rsqrt = float(1.0 / d.sqrt_bc2);
   k.inv_grad_scale = a.grad_scale != nullptr ? __fdiv_rn(1.0f, *a.grad_scale) : 1.0f;
   const uint32_t t = uint32_t(uint64_t(*a.step));
-  k.sr_stream = fmix32(fmix32(uint32_t(a.sr_seed)) ^ t);
+  k.sr_stream = fmix32(fmix32(a.seed) ^ t);
   return k;
 }
 
@@ -129,11 +150,23 @@ __device__ __forceinline__ void store_bits(__nv_bfloat16* dst, const uint16_t (&
   }
 }
 
+// Stores lanes x as bf16 by stochastic rounding with the kWhich bits of each lane's hash h.
+template <SrBits kWhich, bool kVec, int N>
+__device__ __forceinline__ void store_sr(__nv_bfloat16* dst, const float (&x)[N], const uint32_t (&h)[N],
+                                         const Tile<kVec, N>& t) {
+  uint16_t b[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) b[j] = bf16_sr_bits(x[j], sr_bits<kWhich>(h[j]));
+  store_bits(dst, b, t);
+}
+
 // Lists: 0 params, 1 grads, 2 exp_avgs, 3 exp_avg_sqs, 4 copies. SR: S is
 // bf16, written by stochastic rounding keyed by each element's index in its
-// tensor (a chunk never crosses a multiple of 2^32: one key per block).
-template <typename P, typename G, typename S, typename C, bool SR>
+// tensor (a chunk never crosses a multiple of 2^32: one key per block). SRP:
+// P is bf16, written by stochastic rounding the same way. Either: the pinned update.
+template <typename P, typename G, typename S, typename C, bool SR, bool SRP>
 __global__ void __launch_bounds__(kBlockSize) adam_kernel(TensorListMeta<5> meta, AdamArgs args) {
+  constexpr bool kPinned = SR || SRP;
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // skipped step
   __shared__ AdamConsts shared;
   if (threadIdx.x == 0) shared = adam_consts(args);  // once per block: pow in fp64
@@ -149,7 +182,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(TensorListMeta<5> meta
   const bool aligned = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(copy);
   constexpr int N = kVecWidth<P, G, S, C>;
   static_assert((int64_t(1) << 32) % kChunkSize == 0, "chunks never straddle 2^32");
-  const uint32_t key = SR ? fmix32(k.sr_stream + 0x9e3779b9u * uint32_t(uint64_t(c.offset) >> 32)) : 0u;
+  const uint32_t key = kPinned ? sr_key(k, c.offset) : 0u;
   for_each_tile<N>(c.n, aligned, [&](const auto& tile) {
     Lanes<P, N> pl;
     Lanes<G, N> gl;
@@ -161,21 +194,24 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(TensorListMeta<5> meta
     vl.load(v, tile);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      adam_math<SR>(pl.x[j], gl.x[j], ml.x[j], vl.x[j], k);
+      adam_math<kPinned>(pl.x[j], gl.x[j], ml.x[j], vl.x[j], k);
       cl.x[j] = pl.x[j];
     }
-    pl.store(p, tile);
-    if constexpr (SR) {
-      uint16_t mb[N], vb[N];
+    if constexpr (kPinned) {
+      uint32_t h[N];  // each element's hash, from its index in its tensor
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const uint32_t h = fmix32(uint32_t(c.offset + tile.index(j)) ^ key);
-        mb[j] = bf16_sr_bits(ml.x[j], h & 0xffffu);
-        vb[j] = bf16_sr_bits(vl.x[j], h >> 16);
+      for (int j = 0; j < N; ++j) h[j] = fmix32(uint32_t(c.offset + tile.index(j)) ^ key);
+      if constexpr (SRP) store_sr<SrBits::kParam>(p, pl.x, h, tile);
+      else pl.store(p, tile);
+      if constexpr (SR) {
+        store_sr<SrBits::kExpAvg>(m, ml.x, h, tile);
+        store_sr<SrBits::kExpAvgSq>(v, vl.x, h, tile);
+      } else {
+        ml.store(m, tile);
+        vl.store(v, tile);
       }
-      store_bits(m, mb, tile);
-      store_bits(v, vb, tile);
     } else {
+      pl.store(p, tile);
       ml.store(m, tile);
       vl.store(v, tile);
     }
@@ -183,11 +219,11 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(TensorListMeta<5> meta
   });
 }
 
-template <typename P, typename G, typename S, typename C, bool SR = false>
+template <typename P, typename G, typename S, typename C, bool SR = false, bool SRP = false>
 int launch_adam(void* const* const (&lists)[5], const int64_t* numel, int n, const AdamArgs& args,
                 cudaStream_t stream) {
   return multi_tensor_apply<5>(lists, numel, n, [&](const TensorListMeta<5>& meta, int blocks) {
-    adam_kernel<P, G, S, C, SR><<<blocks, kBlockSize, 0, stream>>>(meta, args);
+    adam_kernel<P, G, S, C, SR, SRP><<<blocks, kBlockSize, 0, stream>>>(meta, args);
     return check_launch("adam_kernel");
   });
 }
@@ -225,6 +261,28 @@ int dispatch_sr(const char* fn, int p_dtype, int g_dtype, int s_dtype, int c_dty
                        dtype_name(p_dtype) + ", grads " + dtype_name(g_dtype) + ", states " +
                        dtype_name(s_dtype) + ", copies " + dtype_name(c_dtype) +
                        "); supported: bfloat16 states for " + kParamCombos);
+}
+
+// bf16 params written with stochastic rounding (SRP): f(TypeTag<G>,
+// TypeTag<S>, std::bool_constant<SR>) for grads of any dtype, no copy, and
+// fp32 or bf16 states rounded to nearest, or bf16 states by stochastic
+// rounding (sr_states). The params' dtype is checked by the caller.
+template <typename F>
+int dispatch_srp(const char* fn, int g_dtype, int s_dtype, int c_dtype, bool sr_states, F&& f) {
+  int rc = -1;
+  if (c_dtype == kNone)
+    visit_dtype<false>(g_dtype, [&](auto g) {
+      if (s_dtype == kBF16 && sr_states) rc = f(g, TypeTag<__nv_bfloat16>{}, std::true_type{});
+      else if (s_dtype == kBF16) rc = f(g, TypeTag<__nv_bfloat16>{}, std::false_type{});
+      else if (s_dtype == kF32 && !sr_states) rc = f(g, TypeTag<float>{}, std::false_type{});
+    });
+  if (rc >= 0) return rc;
+  const std::string states = std::string(dtype_name(s_dtype)) + (sr_states ? " rounded stochastically" : "");
+  return set_error(FZ_ERR_INVALID_ARGUMENT,
+                   std::string(fn) + ": unsupported dtypes with stochastic rounding of params (grads " +
+                       dtype_name(g_dtype) + ", states " + states + ", copies " + dtype_name(c_dtype) +
+                       "); supported: bfloat16 params without copies, grads float32, float16 or bfloat16, states "
+                       "float32 or bfloat16 (rounded stochastically: bfloat16)");
 }
 
 // ---------------------------------------------------------------------------
@@ -295,6 +353,20 @@ __device__ __forceinline__ void store_run(const Lanes<T, kInt8Lanes>& l, T* dst,
   }
 }
 
+// store_run of bf16 params by stochastic rounding (SRP), keyed by `key`: the
+// run's elements are [offset + first, ...) of their tensor.
+__device__ __forceinline__ void store_run_sr(const Lanes<__nv_bfloat16, kInt8Lanes>& l, __nv_bfloat16* dst, int base,
+                                             int first, int valid, bool vec, int64_t offset, uint32_t key) {
+  uint32_t h[kInt8Lanes];
+#pragma unroll
+  for (int j = 0; j < kInt8Lanes; ++j) h[j] = fmix32(uint32_t(offset + first + j) ^ key);
+  if (vec) return store_sr<SrBits::kParam>(dst, l.x, h, Tile<true, kInt8Lanes>{base, 0});
+  uint16_t* to = reinterpret_cast<uint16_t*>(dst);
+#pragma unroll
+  for (int j = 0; j < kInt8Lanes; ++j)
+    if (j < valid) to[first + j] = bf16_sr_bits(l.x[j], sr_bits<SrBits::kParam>(h[j]));
+}
+
 __device__ __forceinline__ void load_codes(uint32_t (&c)[kInt8Lanes], const uint8_t* src, int first, int valid,
                                            bool vec) {
   if (vec) {
@@ -329,7 +401,8 @@ __device__ __forceinline__ void store_codes(const uint32_t (&c)[kInt8Lanes], uin
 
 // Lists: 0 params, 1 grads, 2 exp_avg codes, 3 exp_avg_sq codes, 4 copies,
 // 5 exp_avg scales, 6 exp_avg_sq scales (one per block of the whole tensor).
-template <typename P, typename G, typename C>
+// SRP: P is bf16, written by stochastic rounding.
+template <typename P, typename G, typename C, bool SRP>
 __global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7> meta, AdamArgs args, int block) {
   using int8::ExpAvgCode;
   using int8::ExpAvgSqCode;
@@ -350,6 +423,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7>
   const bool aligned = aligned16(p) && aligned16(g) && aligned16(copy) && reinterpret_cast<uintptr_t>(m) % 8 == 0 &&
                        reinterpret_cast<uintptr_t>(v) % 8 == 0;
   const int group = block / kInt8Lanes;
+  const uint32_t key = SRP ? sr_key(k, c.offset) : 0u;
   for (int base = 0; base < c.n; base += kBlockSize * kInt8Lanes) {  // the same passes in every thread
     const int first = base + int(threadIdx.x) * kInt8Lanes;
     const int valid = min(max(c.n - first, 0), kInt8Lanes);
@@ -377,7 +451,8 @@ __global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7>
         v_max = max(v_max, int8::bits_of(vx[j]) & int8::kAbsMask);
       }
     }
-    store_run(pl, p, base, first, valid, vec);
+    if constexpr (SRP) store_run_sr(pl, p, base, first, valid, vec, c.offset, key);
+    else store_run(pl, p, base, first, valid, vec);
     store_run(cl, copy, base, first, valid, vec);
     group_max(m_max, v_max, group);
     const int8::Scale ms = int8::scale_of(m_max), vs = int8::scale_of(v_max);
@@ -395,13 +470,25 @@ __global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7>
   }
 }
 
-template <typename P, typename G, typename C>
+template <typename P, typename G, typename C, bool SRP = false>
 int launch_adam_int8(void* const* const (&lists)[7], const int64_t* numel, int n, const AdamArgs& args, int block,
                      cudaStream_t stream) {
   return multi_tensor_apply<7>(lists, numel, n, [&](const TensorListMeta<7>& meta, int blocks) {
-    adam_int8_kernel<P, G, C><<<blocks, kBlockSize, 0, stream>>>(meta, args, block);
+    adam_int8_kernel<P, G, C, SRP><<<blocks, kBlockSize, 0, stream>>>(meta, args, block);
     return check_launch("adam_int8_kernel");
   });
+}
+
+// The stochastic-rounding arguments of both entries: a seed in [0, 2^32),
+// and sr_params only for bf16 params. FZ_OK or an error.
+int check_sr(const char* fn, int64_t seed, int sr_params, int p_dtype) {
+  if (seed < 0 || seed > int64_t(0xffffffffu))
+    return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": seed must be in [0, 2^32), got " +
+                                                  std::to_string(seed));
+  if (sr_params && p_dtype != kBF16)
+    return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": stochastic rounding of params needs bfloat16 "
+                                                  "params, got " + dtype_name(p_dtype));
+  return FZ_OK;
 }
 
 }  // namespace
@@ -410,8 +497,8 @@ int launch_adam_int8(void* const* const (&lists)[7], const int64_t* numel, int n
 extern "C" int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* const* v,
                             void* const* copy, const int64_t* numel, int n, int p_dtype, int g_dtype,
                             int s_dtype, int c_dtype, const fz_adam_hyper* hyper, const float* step,
-                            const float* grad_scale, const float* found_inf, int64_t sr_seed,
-                            void* stream) {
+                            const float* grad_scale, const float* found_inf, int64_t seed, int sr_states,
+                            int sr_params, void* stream) {
   using namespace fz;
   constexpr const char* fn = "fz_cuda_adam";
   return guarded(fn, [&]() -> int {
@@ -422,9 +509,7 @@ extern "C" int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void
     if (n == 0) return FZ_OK;
     if (step == nullptr)
       return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": step is null (pass the device step counter)");
-    if (sr_seed < -1 || sr_seed > int64_t(0xffffffffu))
-      return set_error(FZ_ERR_INVALID_ARGUMENT,
-                       std::string(fn) + ": sr_seed must be -1 (round to nearest) or in [0, 2^32)");
+    if (int rc = check_sr(fn, seed, sr_params, p_dtype)) return rc;
     if (c_dtype != kNone && copy == nullptr)
       return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": a copy dtype without copies");
     int rc = check_list(fn, "params", p, numel, n, p_dtype);
@@ -433,11 +518,16 @@ extern "C" int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void
     if (!rc) rc = check_list(fn, "exp_avg_sqs", v, numel, n, s_dtype);
     if (!rc && c_dtype != kNone) rc = check_list(fn, "param_copies", copy, numel, n, c_dtype);
     if (rc) return rc;
-    const AdamArgs args{*hyper, step, grad_scale, found_inf, sr_seed};
+    const AdamArgs args{*hyper, step, grad_scale, found_inf, uint32_t(seed)};
     void* const* const lists[5] = {p, g, m, v, c_dtype == kNone ? nullptr : copy};
     const auto s = static_cast<cudaStream_t>(stream);
     (void)cudaGetLastError();  // forget a failure of an earlier call on this thread
-    if (sr_seed >= 0)
+    if (sr_params)  // bf16 params (checked above)
+      return dispatch_srp(fn, g_dtype, s_dtype, c_dtype, sr_states, [&](auto gt, auto st, auto sr) {
+        return launch_adam<__nv_bfloat16, typename decltype(gt)::type, typename decltype(st)::type, NoneT,
+                           decltype(sr)::value, true>(lists, numel, n, args, s);
+      });
+    if (sr_states)
       return dispatch_sr(fn, p_dtype, g_dtype, s_dtype, c_dtype, [&](auto pt, auto gt, auto ct) {
         return launch_adam<typename decltype(pt)::type, typename decltype(gt)::type, __nv_bfloat16,
                            typename decltype(ct)::type, true>(lists, numel, n, args, s);
@@ -453,7 +543,8 @@ extern "C" int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m,
                                  void* const* copy, void* const* m_scales, void* const* v_scales,
                                  const int64_t* numel, int n, int p_dtype, int g_dtype, int c_dtype,
                                  int64_t block_size, const fz_adam_hyper* hyper, const float* step,
-                                 const float* grad_scale, const float* found_inf, void* stream) {
+                                 const float* grad_scale, const float* found_inf, int64_t seed, int sr_params,
+                                 void* stream) {
   using namespace fz;
   constexpr const char* fn = "fz_cuda_adam_int8";
   return guarded(fn, [&]() -> int {
@@ -467,6 +558,7 @@ extern "C" int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m,
     if (n == 0) return FZ_OK;
     if (step == nullptr)
       return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": step is null (pass the device step counter)");
+    if (int rc = check_sr(fn, seed, sr_params, p_dtype)) return rc;
     if (c_dtype != kNone && copy == nullptr)
       return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": a copy dtype without copies");
     int rc = check_list(fn, "params", p, numel, n, p_dtype);
@@ -480,13 +572,17 @@ extern "C" int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m,
     rc = check_list(fn, "exp_avg_absmax", m_scales, blocks.data(), n, kF32);
     if (!rc) rc = check_list(fn, "exp_avg_sq_absmax", v_scales, blocks.data(), n, kF32);
     if (rc) return rc;
-    const AdamArgs args{*hyper, step, grad_scale, found_inf, -1};
+    const AdamArgs args{*hyper, step, grad_scale, found_inf, uint32_t(seed)};
     void* const* const lists[7] = {p, g, m, v, c_dtype == kNone ? nullptr : copy, m_scales, v_scales};
     const auto s = static_cast<cudaStream_t>(stream);
     (void)cudaGetLastError();  // forget a failure of an earlier call on this thread
     rc = dispatch_params(p_dtype, g_dtype, c_dtype, [&](auto pt, auto gt, auto ct) {
-      return launch_adam_int8<typename decltype(pt)::type, typename decltype(gt)::type,
-                              typename decltype(ct)::type>(lists, numel, n, args, int(block_size), s);
+      using P = typename decltype(pt)::type;
+      using G = typename decltype(gt)::type;
+      using C = typename decltype(ct)::type;
+      if constexpr (std::is_same_v<P, __nv_bfloat16>)  // bf16 params (no copy): by stochastic rounding or not
+        if (sr_params) return launch_adam_int8<P, G, C, true>(lists, numel, n, args, int(block_size), s);
+      return launch_adam_int8<P, G, C>(lists, numel, n, args, int(block_size), s);
     });
     if (rc >= 0) return rc;
     return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": unsupported dtypes (params " +

@@ -30,7 +30,7 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 CPU_ABI_VERSION = 5
 
 # FZ_CUDA_ABI_VERSION: a library speaking another version is refused.
-CUDA_ABI_VERSION = 6
+CUDA_ABI_VERSION = 7
 
 _VP, _I, _I64, _D, _U32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_uint32
 _PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
@@ -41,12 +41,12 @@ CUDA_SIGNATURES: dict[str, tuple[type, list[type]]] = {
     "fz_cuda_last_error": (ctypes.c_char_p, []),
     "fz_cuda_chunk_elems": (_I64, []),
     "fz_cuda_check_device": (_I, []),
-    # p, g, m, v, copy, numel, n, p/g/s/c dtype, hyper (fz_adam_hyper*), step, grad_scale, found_inf, sr_seed,
-    # stream
-    "fz_cuda_adam": (_I, [_PTRS] * 5 + [_I64S] + [_I] * 5 + [_VP] * 4 + [_I64, _VP]),
+    # p, g, m, v, copy, numel, n, p/g/s/c dtype, hyper (fz_adam_hyper*), step, grad_scale, found_inf, seed,
+    # sr_states, sr_params, stream
+    "fz_cuda_adam": (_I, [_PTRS] * 5 + [_I64S] + [_I] * 5 + [_VP] * 4 + [_I64, _I, _I, _VP]),
     # p, g, m, v, copy, m_scales, v_scales, numel, n, p/g/c dtype, block_size, hyper (fz_adam_hyper*), step,
-    # grad_scale, found_inf, stream
-    "fz_cuda_adam_int8": (_I, [_PTRS] * 7 + [_I64S] + [_I] * 4 + [_I64] + [_VP] * 5),
+    # grad_scale, found_inf, seed, sr_params, stream
+    "fz_cuda_adam_int8": (_I, [_PTRS] * 7 + [_I64S] + [_I] * 4 + [_I64] + [_VP] * 4 + [_I64, _I, _VP]),
     # x, numel, n, dtype, scale, found_inf, partials, partials_len, stream
     "fz_cuda_l2norm_partials": (_I, [_PTRS, _I64S, _I, _I, _VP, _VP, _VP, _I64, _VP]),
     # partials, partials_len, hyper (fz_lamb_hyper*), found_inf, clip_out, stream

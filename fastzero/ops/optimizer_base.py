@@ -335,11 +335,6 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
             step = int(step)
             self._keep(gi, run(*tensors, step=step, hp=hp, grad_scale=scale, param_copies=lists.param_copies, **fmt))
             return
-        if self.bf16_stochastic_round:
-            raise NotImplementedError(
-                f"{type(self).__name__}: bf16_stochastic_round runs on the cpu and reference backends so far, "
-                f"not {backend!r}; use master_weights=True (an fp32 master) on this device"
-            )
         device = lists.device
         run(
             *tensors,

@@ -211,15 +211,15 @@ def test_bad_arguments_are_error_codes_with_messages(cuda_library):
     ptrs, numel = _fake_list(2), (ctypes.c_int64 * 2)(5, 70000)
     args = [ptrs] * 4 + [None, numel, 2]
     adam_hp = ctypes.byref(AdamHyperparams().c_struct())
-    rest = [None, None, -1, None]  # grad_scale, found_inf, sr_seed, stream
+    rest = [None, None, 0, 0, 0, None]  # grad_scale, found_inf, seed, sr_states, sr_params, stream
     # fp32 params with bf16 states: not a supported combination, unless rounded stochastically
     assert lib.fz_cuda_adam(*args, 0, 0, 2, -1, adam_hp, 1 << 20, *rest) == 1
     assert b"unsupported dtypes" in lib.fz_cuda_last_error()
     # stochastic rounding: bf16 states only, and a seed in [0, 2^32)
-    assert lib.fz_cuda_adam(*args, 0, 0, 0, -1, adam_hp, 1 << 20, None, None, 7, None) == 1
+    assert lib.fz_cuda_adam(*args, 0, 0, 0, -1, adam_hp, 1 << 20, None, None, 7, 1, 0, None) == 1
     assert b"unsupported dtypes with stochastic rounding" in lib.fz_cuda_last_error()
-    assert lib.fz_cuda_adam(*args, 0, 0, 2, -1, adam_hp, 1 << 20, None, None, 1 << 32, None) == 1
-    assert b"sr_seed must be" in lib.fz_cuda_last_error()
+    assert lib.fz_cuda_adam(*args, 0, 0, 2, -1, adam_hp, 1 << 20, None, None, 1 << 32, 1, 0, None) == 1
+    assert b"seed must be in [0, 2^32)" in lib.fz_cuda_last_error()
     # no step counter
     assert lib.fz_cuda_adam(*args, 0, 0, 0, -1, adam_hp, None, *rest) == 1
     assert b"step is null" in lib.fz_cuda_last_error()

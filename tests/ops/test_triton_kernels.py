@@ -313,7 +313,7 @@ B = dict(BLOCK_SIZE=1024, BLOCKS_PER_ITEM=8)
 A = dict(P_DTYPE=tl.float32, M_DTYPE=tl.float32, V_DTYPE=tl.float32, ALIGNED=True)
 F = dict(HAS_GRAD_SCALE=True, HAS_FOUND_INF=True)
 out = [ptx(adam._adam_kernel, **A, G_DTYPE=tl.bfloat16, C_DTYPE=tl.bfloat16, **F, ADAMW=True, BIAS_CORRECTION=True,
-           STOCHASTIC=False, **B),
+           STOCHASTIC=False, SR_PARAMS=False, **B),
        ptx(lamb._grad_sq_kernel, G_DTYPE=tl.float16, ALIGNED=True, HAS_GRAD_SCALE=True, **B),
        ptx(lamb._clip_kernel, BLOCK_SIZE=1024),
        ptx(lamb._phase1_kernel, **A, G_DTYPE=tl.float32, **F, HAS_CLIP=True, EPS_INSIDE_SQRT=False, **B),
@@ -326,15 +326,27 @@ out = [ptx(adam._adam_kernel, **A, G_DTYPE=tl.bfloat16, C_DTYPE=tl.bfloat16, **F
 # bf16 states by stochastic rounding: the pinned update (launched without fp fusion) has no fp32 multiply-add
 sr = ptx(adam._adam_kernel, False, P_DTYPE=tl.float32, G_DTYPE=tl.bfloat16, M_DTYPE=tl.bfloat16,
          V_DTYPE=tl.bfloat16, C_DTYPE=tl.bfloat16, ALIGNED=True, **F, ADAMW=False, BIAS_CORRECTION=True,
-         STOCHASTIC=True, **B)
+         STOCHASTIC=True, SR_PARAMS=False, **B)
 assert "fma.rn.f32" not in sr, "a multiply-add in the pinned update"
 out.append(sr)
+# bf16 params by stochastic rounding (bf16_stochastic_round): the pinned update with fp32 states (rounded to
+# nearest) and with bf16 states by stochastic rounding; full blocks still load 16 bytes at a time
+for s_dt, stochastic in ((tl.float32, False), (tl.bfloat16, True)):
+    s = ptx(adam._adam_kernel, False, P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, M_DTYPE=s_dt, V_DTYPE=s_dt,
+            C_DTYPE=None, ALIGNED=True, **F, ADAMW=True, M_FROM_GRAD=False, BIAS_CORRECTION=True,
+            STOCHASTIC=stochastic, SR_PARAMS=True, **B)
+    assert "fma.rn.f32" not in s, "a multiply-add in the pinned update of stochastically rounded params"
+    assert not re.search(r"(add|sub|mul|div|sqrt|neg)(\\.rn)?\\.ftz\\.f32", s), "fp32 flushed to zero"
+    assert "ld.global.v4" in s, "SR params: loads not vectorized"
+    out.append(s)
 # int8 states: the pinned update too, and fp32 subnormals kept (no .ftz on fp32 arithmetic: the
 # decode's product and y = |x| / scale may be subnormal); codes load 16 to a thread in full tiles
-for block, p_dt, c_dt in ((256, tl.float32, tl.bfloat16), (4096, tl.bfloat16, None)):
+# (and bf16 params by stochastic rounding: SR_PARAMS)
+for block, p_dt, c_dt, srp in ((256, tl.float32, tl.bfloat16, False), (4096, tl.bfloat16, None, False),
+                               (256, tl.bfloat16, None, True)):
     rows, warps = adam.int8_launch_config(block)
     s = ptx(adam._adam_int8_kernel, False, warps, P_DTYPE=p_dt, G_DTYPE=tl.float16, C_DTYPE=c_dt, ALIGNED=True, **F,
-            ADAMW=True, M_FROM_GRAD=False, BIAS_CORRECTION=True, BLOCK=block, ROWS=rows)
+            ADAMW=True, M_FROM_GRAD=False, BIAS_CORRECTION=True, SR_PARAMS=srp, BLOCK=block, ROWS=rows)
     assert "fma.rn.f32" not in s, "a multiply-add in the int8 kernel's pinned update"
     assert not re.search(r"(add|sub|mul|div|sqrt|min|max|neg)(\\.rn)?\\.ftz\\.f32", s), "fp32 flushed to zero"
     assert "ld.global.v4.b32" in s, "int8 kernel: loads not vectorized"

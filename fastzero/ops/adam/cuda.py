@@ -1,6 +1,7 @@
 """The CUDA backend of Adam (csrc/cuda/multi_tensor_adam.cu): one pass over
 memory per dtype combination, per-step scalars read on the device; int8
-block-wise states through their own entry (fz_cuda_adam_int8)."""
+block-wise states through their own entry (fz_cuda_adam_int8); bf16 params
+written with stochastic rounding (bf16_stochastic_round) through either."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def adam_step(
     exp_avg_absmax: list[Tensor] | None = None,
     exp_avg_sq_absmax: list[Tensor] | None = None,
     block_size: int | None = None,
+    bf16_stochastic_round: bool = False,
     **hyper,
 ) -> None:
     r"""One Adam/AdamW step over lists of CUDA tensors:
@@ -51,10 +53,13 @@ def adam_step(
     ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` their fp32 block scales (one
     per ``block_size`` elements, default 256, a power of two from 64 to
     4096), decoded, updated and encoded again in one pass, the reference's
-    bits (fastzero.ops.adam.int8_codes).
+    bits (fastzero.ops.adam.int8_codes). ``bf16_stochastic_round``: bf16
+    params (kept without an fp32 master) written with stochastic rounding
+    keyed by ``seed``, after the pinned update (any state format), the
+    reference's bits; params of other dtypes as without it.
     """
     hp = hp if hp is not None else AdamHyperparams.from_kwargs(**hyper)
-    check_state_format("adam_step", state_format, seed, block_size)
+    check_state_format("adam_step", state_format, seed, block_size, bf16_stochastic_round)
     scalars = {"step": step, "grad_scale": grad_scale, "found_inf": found_inf}
     check_device_step(
         "adam_step",
@@ -85,6 +90,7 @@ def adam_step(
         exp_avg_absmax=exp_avg_absmax,
         exp_avg_sq_absmax=exp_avg_sq_absmax,
         block_size=block_size,
+        bf16_stochastic_round=bf16_stochastic_round,
     )
 
 
@@ -104,11 +110,14 @@ def launch(
     exp_avg_absmax=None,
     exp_avg_sq_absmax=None,
     block_size=None,
+    bf16_stochastic_round=False,
 ):
     """:func:`adam_step` on lists that were checked. The hyperparameters
     cross whole, as one fz_adam_hyper; the kernel derives its constants."""
     if not params:
         return
+    seed = 0 if seed is None else int(seed)
+    sr_params = lambda p_dtype: bool(bf16_stochastic_round) and p_dtype == torch.bfloat16  # noqa: E731
     if state_format == "int8":
         _launch_int8(
             params,
@@ -123,9 +132,10 @@ def launch(
             found_inf=found_inf,
             param_copies=param_copies,
             block=DEFAULT_BLOCK if block_size is None else block_size,
+            seed=seed,
+            sr_params=sr_params,
         )
         return
-    sr_seed = (0 if seed is None else int(seed)) if state_format == "bf16" else -1
     device = params[0].device
     lib = cuda_lib("adam_step")
     hyper = hp.c_struct()  # host memory, copied into the kernels' parameters during each call
@@ -144,16 +154,33 @@ def launch(
                 step.data_ptr(),
                 ptr(grad_scale),
                 ptr(found_inf),
-                sr_seed,
+                seed,
+                state_format == "bf16",
+                sr_params(key[0]),
                 stream(device),
             )
             check_rc(lib, rc, "adam_step")
 
 
 def _launch_int8(
-    params, grads, exp_avgs, exp_avg_sqs, m_scales, v_scales, *, step, hp, grad_scale, found_inf, param_copies, block
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    m_scales,
+    v_scales,
+    *,
+    step,
+    hp,
+    grad_scale,
+    found_inf,
+    param_copies,
+    block,
+    seed,
+    sr_params,
 ):
-    """int8 states: one fz_cuda_adam_int8 call per (param, grad, copy) dtype combination."""
+    """int8 states: one fz_cuda_adam_int8 call per (param, grad, copy) dtype combination;
+    ``sr_params(p_dtype)``: whether params of that dtype are written with stochastic rounding."""
     device = params[0].device
     lib = cuda_lib("adam_step")
     hyper = hp.c_struct()
@@ -177,6 +204,8 @@ def _launch_int8(
                 step.data_ptr(),
                 ptr(grad_scale),
                 ptr(found_inf),
+                seed,
+                sr_params(p_dtype),
                 stream(device),
             )
             check_rc(lib, rc, "adam_step")

@@ -251,13 +251,13 @@ def _ptrs(*values):
 
 
 def _int8(lib, *, numel=(5, 70000), dtypes=(0, 0, -1), block=256, copy=None, m_scales=None, hyper=True, step=FAKE,
-          m=None, p=None):  # fmt: skip
+          m=None, p=None, seed=0, sr_params=0):  # fmt: skip
     n = len(numel)
     fake = _ptrs(*[FAKE] * n)
     hp = ctypes.byref(AdamHyperparams().c_struct()) if hyper else None
     return lib.fz_cuda_adam_int8(
         p or fake, fake, m or fake, fake, copy, m_scales or fake, fake, (ctypes.c_int64 * n)(*numel), n,
-        *dtypes, block, hp, step, None, None, None,
+        *dtypes, block, hp, step, None, None, seed, sr_params, None,
     )  # fmt: skip
 
 
