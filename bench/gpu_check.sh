@@ -72,7 +72,9 @@ print('CUDA kernels ready')
 "
   step tests_gpu "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/
   step tests_triton "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_triton_kernels.py \
-    tests/ops/sparse_attention/test_attention.py tests/ops/onebit/test_triton.py tests/ops/quant/test_triton.py
+    tests/ops/sparse_attention/test_attention.py tests/ops/onebit/test_triton.py tests/ops/quant/test_triton.py \
+    tests/ops/adam/test_bf16_states_triton.py tests/ops/adam/test_int8_states_triton.py \
+    tests/ops/adam/test_bf16_stochastic_params_triton.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
   step bench_onebit "$PY" -m bench.run --kernel onebit --device cuda --quick \
