@@ -65,8 +65,8 @@ def check_state_format(
 ) -> None:
     """``state_format`` one of :data:`STATE_FORMATS` or None (the states as
     given); ``seed`` (stochastic rounding's) an int in [0, 2^32), and only
-    with ``state_format="bf16"`` or ``bf16_stochastic_round`` (bf16 params
-    written with stochastic rounding), which round stochastically;
+    with ``state_format="bf16"``, ``"int8"`` or ``bf16_stochastic_round``
+    (bf16 params written with stochastic rounding), which round stochastically;
     ``block_size`` only with ``"int8"``, a power of two from 64 to 4096."""
     if bf16_stochastic_round is not None and not isinstance(bf16_stochastic_round, bool):
         raise TypeError(f"{op}: bf16_stochastic_round must be True or False, got {bf16_stochastic_round!r}")
@@ -85,10 +85,10 @@ def check_state_format(
             )
     if seed is None:
         return
-    if state_format != "bf16" and not bf16_stochastic_round:
+    if state_format not in ("bf16", "int8") and not bf16_stochastic_round:
         raise ValueError(
-            f"{op}: seed={seed!r} is the seed of stochastic rounding, which only state_format='bf16' and "
-            f"bf16_stochastic_round=True do (state_format={state_format!r} rounds to nearest)"
+            f"{op}: seed={seed!r} is the seed of stochastic rounding, which only state_format='bf16', 'int8' "
+            f"and bf16_stochastic_round=True do (state_format={state_format!r} rounds to nearest)"
         )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"{op}: seed must be an int in [0, 2**32), got {seed!r}")

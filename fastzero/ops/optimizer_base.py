@@ -42,7 +42,7 @@ def resolve_state_format(
     ``"fp32"``, False is ``"param_dtype"`` (the param's dtype, rounded to
     nearest). ``state_format`` names the format; given both, they must agree
     on whether the states are fp32 (True only with ``"fp32"``, False only with
-    another format). ``seed`` (default 0) only with ``"bf16"`` or
+    another format). ``seed`` (default 0) only with ``"bf16"``, ``"int8"`` or
     ``bf16_stochastic_round``, which round stochastically; ``block_size``
     (default 256) only with ``"int8"``."""
     if fp32_optimizer_states is not None and not (
@@ -67,7 +67,7 @@ def resolve_state_format(
             "(bf16 and int8 states are Adam's: CPUAdam, FusedAdam)"
         )
     check_state_format(owner, fmt, seed, block_size, bf16_stochastic_round)
-    seed = (0 if seed is None else seed) if fmt == "bf16" or bf16_stochastic_round else None
+    seed = (0 if seed is None else seed) if fmt in ("bf16", "int8") or bf16_stochastic_round else None
     return fmt, seed, ((DEFAULT_BLOCK if block_size is None else block_size) if fmt == "int8" else None)
 
 
@@ -246,6 +246,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         elif self.state_format == "int8":
             args.update(
                 state_format="int8",
+                seed=self.seed,
                 exp_avg_absmax=lists.exp_avg_absmax,
                 exp_avg_sq_absmax=lists.exp_avg_sq_absmax,
                 block_size=self.block_size,

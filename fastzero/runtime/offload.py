@@ -21,9 +21,9 @@ and start at multiples of it, so each gives exactly the bits of one step over
 the whole shard, in every state format (:meth:`OffloadedAdam._piece_format`):
 fp32 states are elementwise; int8 states' blocks are whole in a piece (the
 scales of elements [lo, hi) are scales [lo // block, ceil(hi / block))); bf16
-states round with bits keyed by each element's index in its tensor, which a
-piece starting at `lo` would shift, so it takes the seed under which its
-indices draw the shard's bits (:func:`fastzero.ops.adam.reference.sr_seed_at`,
+and int8 states round with bits keyed by each element's index in its tensor,
+which a piece starting at `lo` would shift, so it takes the seed under which
+its indices draw the shard's bits (:func:`fastzero.ops.adam.reference.sr_seed_at`,
 exact for a piece of at most 2^k elements at a multiple of 2^k).
 """
 
@@ -185,13 +185,14 @@ class OffloadedAdam(CPUAdam):
         """The state format's arguments of the step over elements [lo, hi) of
         one master (a piece from :meth:`_aligned`'s sizes): bf16, the seed
         under which the piece draws the whole master's bits; int8, the
-        scales of its blocks."""
+        scales of its blocks (and the seed, as bf16: the codes round stochastically)."""
         if self.state_format == "bf16":
             return {"state_format": "bf16", "seed": sr_seed_at(self.seed, step, lo)}
         if self.state_format == "int8":
             blocks = slice(lo // self.block_size, -(-hi // self.block_size))
             return {
                 "state_format": "int8",
+                "seed": sr_seed_at(self.seed, step, lo),
                 "exp_avg_absmax": [state["exp_avg_absmax"][blocks]],
                 "exp_avg_sq_absmax": [state["exp_avg_sq_absmax"][blocks]],
                 "block_size": self.block_size,

@@ -14,7 +14,7 @@ Two state formats (``state_format``):
 - **int8 block-wise** (``"int8"``): exp_avg and exp_avg_sq are one byte per
   element plus one fp32 scale per block of ``block_size`` elements
   (:mod:`fastzero.ops.adam.int8_codes`): decoded, updated and encoded again
-  in the one pass.
+  in the one pass, rounded stochastically with the bf16 format's bits.
 
 So that every backend gives the same bits, the fp32 update of the bf16 and
 int8 formats is pinned to one order of operations, each rounded on its own
@@ -198,8 +198,9 @@ def adam_step(
     ``state_format="int8"``: exp_avgs and exp_avg_sqs are uint8 codes, with
     their block scales in ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32,
     one per ``block_size`` elements, default 256): decoded, updated by
-    :func:`_pinned_update` and encoded again (:mod:`int8_codes`), scales
-    included.
+    :func:`_pinned_update` and encoded again with new block scales, rounded
+    stochastically with :func:`sr_bits` of ``seed`` and ``step`` (exp_avg the
+    low half, exp_avg_sq the high; :mod:`int8_codes`).
 
     ``bf16_stochastic_round``: bf16 params (no fp32 master) are written with
     stochastic rounding, the bits of :func:`sr_param_bits` keyed by ``seed``
@@ -227,8 +228,9 @@ def adam_step(
             v32 = int8_codes.dequantize(v_code, v, vs, block).reshape(-1)
             p32, m32, v32 = _pinned_update(p.float().reshape(-1), g.float().reshape(-1), m32, v32, h, step, grad_scale)
             write_param(p, p32)
-            for codes, scales, x, code in ((m, ms, m32, m_code), (v, vs, v32, v_code)):
-                new_codes, new_scales = int8_codes.quantize(code, x, block)
+            r_m, r_v = sr_bits(seed, step, torch.arange(p.numel(), device=p.device))
+            for codes, scales, x, code, r in ((m, ms, m32, m_code, r_m), (v, vs, v32, v_code, r_v)):
+                new_codes, new_scales = int8_codes.quantize(code, x, block, r)
                 codes.copy_(new_codes.view(codes.shape))
                 scales.copy_(new_scales)
             if cp is not None:
