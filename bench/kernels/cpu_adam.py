@@ -104,11 +104,18 @@ def lowbit_check(data: OptimData, fmt: str, params, states: dict[str, list], cop
                 raise AssertionError(f"{name} {i}: not the reference's bits (state_format={fmt!r})")
 
 
+# zero_states()'s names (cpu_adam_step's keywords) -> an optimizer's state keys
+STATE_KEYS = {
+    "exp_avgs": "exp_avg",
+    "exp_avg_sqs": "exp_avg_sq",
+    "exp_avg_absmax": "exp_avg_absmax",
+    "exp_avg_sq_absmax": "exp_avg_sq_absmax",
+}
+
+
 def optimizer_states(opt, params) -> dict[str, list]:
     """An optimizer's per-param states as zero_states() names them."""
-    keys = {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq", "exp_avg_absmax": "exp_avg_absmax"}
-    keys["exp_avg_sq_absmax"] = "exp_avg_sq_absmax"
-    return {ours: [opt.state[p][k] for p in params] for ours, k in keys.items() if k in opt.state[params[0]]}
+    return {ours: [opt.state[p][k] for p in params] for ours, k in STATE_KEYS.items() if k in opt.state[params[0]]}
 
 
 def provide_fastzero_lowbit(data: OptimData, fmt: str) -> Runner:
@@ -170,10 +177,16 @@ def _made(make):
         raise Unavailable(f"{type(exc).__name__}: {exc}") from None
 
 
+def _holds_8bit_codes(state: dict) -> bool:
+    """Whether a peer's state has 8-bit codes (bitsandbytes: uint8 tensors; torchao: a tensor subclass
+    that keeps them in ``.codes``)."""
+    return any(getattr(t, "codes", t).dtype == torch.uint8 for t in state.values() if torch.is_tensor(t))
+
+
 def provide_8bit_peer(data: OptimData, which: str) -> Runner:
     """torchao's or bitsandbytes' AdamW8bit (blocks of 256, as fastzero's default) on fp32 params."""
     params = data.parameters()
-    if which == "torchao":  # torch.compile'd: its first step (the check) compiles, minutes on 2 cores
+    if which == "torchao":  # torch.compile'd: its first step (the check) compiles, ~20 s here
         optim = _torchao_optim()
         opt = _made(lambda: optim.AdamW8bit(params, **HYPER, block_size=256))
     else:  # bitsandbytes: blockwise, 256 per block on the CPU
@@ -182,11 +195,8 @@ def provide_8bit_peer(data: OptimData, which: str) -> Runner:
 
     def check():
         lowbit_peer_check(opt.step, data, params)
-        sizes = [t.element_size() for t in opt.state[params[0]].values() if torch.is_tensor(t) and t.numel() > 1]
-        if 1 not in sizes:  # the subclass's storage: torchao keeps codes of 1 byte too
-            codes = getattr(opt.state[params[0]].get("exp_avg"), "codes", None)
-            if codes is None or codes.element_size() != 1:
-                raise AssertionError("its states are not 8-bit here")
+        if not _holds_8bit_codes(opt.state[params[0]]):
+            raise AssertionError("its states are not 8-bit here")
 
     return Runner(step=opt.step, check=check)
 

@@ -45,12 +45,9 @@ def test_low_bit_state_cases_run_and_report_their_figures(tmp_path, dtype):
                     assert ran or cases[case]["skipped"][peer], (case, peer)
 
 
-class _WrongLr(torch.optim.AdamW):
-    """A peer that does not do the job: its lr is 3x the case's."""
-
-
 @pytest.mark.parametrize("lr_factor, ok", [(1.0, True), (3.0, False)])
 def test_the_low_bit_peers_loose_check_tells_a_wrong_step(lr_factor, ok):
+    """torch's AdamW passes as a peer; with 3x the case's lr it does not do the job, and fails."""
     data = OptimData([4096], cpu_adam.reference.adam_step, cpu_adam.HYPER)
     params = data.parameters()
     opt = torch.optim.AdamW(params, **dict(cpu_adam.HYPER, lr=cpu_adam.HYPER["lr"] * lr_factor))
