@@ -58,6 +58,8 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "triton": _version("triton"),
         "deepspeed": _version("deepspeed"),
+        "torchao": _version("torchao"),  # the optional peers with low-bit optimizer states
+        "bitsandbytes": _version("bitsandbytes"),
         "fastzero": _version("fastzero"),
         "git_sha": git_sha(),
     }

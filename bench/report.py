@@ -73,7 +73,9 @@ def markdown(results: dict, checks: list[Check] | None, tolerance: float, path: 
         "",
         f"Commit `{m['git_sha']}` on {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads, "
         f"ISA path {m['isa']}); torch {m['torch']}, triton {m['triton']}, "
-        f"deepspeed {m['deepspeed'] or 'not installed'}.",
+        f"deepspeed {m['deepspeed'] or 'not installed'}"
+        + "".join(f", {peer} {m[peer]}" for peer in ("torchao", "bitsandbytes") if m.get(peer))
+        + ".",
         "GB/s counts the bytes each case must move (read + written); the roofline is an in-place "
         "streaming kernel of Adam's shape measured in the same rounds; speedup = peer time / fastzero time.",
         "",

@@ -10,10 +10,25 @@ AdamW, downcast copy) moves 40 B in three.
 bf16 optimizer states (``--dtype bf16states``: state_format="bf16", written
 with stochastic rounding), fp32 params and grads: read 4+4+2+2, write 4+2+2 =
 20 B; the offload step with bf16 states: read 4+2+2+2, write 4+2+2+2 = 20 B.
-Each such case runs fastzero's fp32-state step beside it as the peer
-``fastzero_fp32_states`` (the same-round speedup of the format; its GB/s
-counts the case's 20 B) and checks its first step against the reference to
-the bit.
+int8 block-wise states (``--dtype int8states``: state_format="int8", blocks
+of 256): one byte per state and element, 16 B per param (read 4+4+1+1,
+write 4+1+1; the offload step 4+2+1+1 and 4+1+1+2), plus the two states'
+fp32 block scales, read and written: 16 B per block, 1/16 B per param.
+
+Each low-bit case runs fastzero's fp32-state step beside it as the peer
+``fastzero_fp32_states`` (the same-round speedup of the format; every
+provider's GB/s counts the case's bytes) and checks its first step against
+the reference to the bit. Peers with low-bit states run where they import
+(``pip install torchao bitsandbytes``; skipped with the reason elsewhere):
+torchao's ``AdamW8bit`` and bitsandbytes' ``AdamW8bit`` on the int8 step,
+torchao's AdamW with bf16 stochastic rounding (bf16 params, bf16 states, no
+fp32 master: 14 B) on the bf16-state offload step. Their codes differ from
+fastzero's, so their check is loose (``lowbit_peer_check``). The offload
+cases also run DeepSpeedCPUAdam, which has fp32 states only and takes grads
+of its params' dtype: ``deepspeed`` does the case's job its way (upcast the
+grad into the fp32 grad, its step, downcast the copy: 40 B in three passes,
+as ZeRO-Offload feeds it), ``deepspeed_step`` is its step alone on fp32
+grads with no copy out (28 B, less than the job).
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ import os
 import torch
 
 from fastzero.ops import CPUAdam, cpu_adam_step, reference
+from fastzero.ops.adam import int8_codes
 
 from ..family import Family
 from ..harness import Case, Provider, Runner, Unavailable
@@ -52,36 +68,148 @@ def provide_fastzero(data: OptimData) -> Runner:
     return Runner(step=opt.step, check=first_step_check(opt, params, data))
 
 
-def sr_check(data: OptimData, params, exp_avgs, exp_avg_sqs, copies=None) -> None:
-    """The first step from zero bf16 states equals the reference's to the bit
-    (state_format="bf16", seed 0)."""
+def state_bytes(fmt: str, n: int) -> int:
+    """Bytes one step over n fp32 params must move with states in `fmt` (the
+    offload step's bf16 grad in and bf16 copy out move as many as its fp32 grad in)."""
+    if fmt == "int8":  # 16 B, and the two states' fp32 scales read and written: 16 B per block
+        return 16 * n + 16 * int8_codes.blocks_of(n, int8_codes.DEFAULT_BLOCK)
+    return {"fp32": 28, "bf16": 20}[fmt] * n
+
+
+def zero_states(fmt: str, params) -> dict[str, list]:
+    """Zero exp_avg, exp_avg_sq (and int8's block scales) of `params` in format `fmt`, as keyword
+    lists of cpu_adam_step."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[fmt]
+    out = {k: [torch.zeros_like(p, dtype=dtype) for p in params] for k in ("exp_avgs", "exp_avg_sqs")}
+    if fmt == "int8":
+        blocks = [int8_codes.blocks_of(p.numel(), int8_codes.DEFAULT_BLOCK) for p in params]
+        for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+            out[key] = [torch.zeros(b) for b in blocks]
+    return out
+
+
+def lowbit_check(data: OptimData, fmt: str, params, states: dict[str, list], copies=None) -> None:
+    """The first step from zero states in format `fmt` ("bf16": stochastic rounding, seed 0; "int8":
+    codes and scales) equals the reference's to the bit; `states` as zero_states() names them."""
     p = [t.clone() for t in data.params]
-    m = [torch.zeros_like(t, dtype=torch.bfloat16) for t in p]
-    v = [torch.zeros_like(t, dtype=torch.bfloat16) for t in p]
+    want = zero_states(fmt, p)
     c = None if copies is None else [torch.empty_like(t) for t in copies]
-    reference.adam_step(p, data.grads, m, v, step=1, param_copies=c, state_format="bf16", **step_args(data.hyper))
-    for name, got, want in (
-        ("param", params, p),
-        ("exp_avg", exp_avgs, m),
-        ("exp_avg_sq", exp_avg_sqs, v),
-        ("copy", copies, c),
-    ):
-        for i, (a, b) in enumerate(zip(got or [], want or [])):
+    m, v = want.pop("exp_avgs"), want.pop("exp_avg_sqs")
+    reference.adam_step(p, data.grads, m, v, step=1, param_copies=c, state_format=fmt, **want, **step_args(data.hyper))
+    pairs = [("param", params, p), ("copy", copies, c), ("exp_avg", states["exp_avgs"], m)]
+    pairs += [("exp_avg_sq", states["exp_avg_sqs"], v)] + [(k, states[k], want[k]) for k in want]
+    for name, got, exp in pairs:
+        for i, (a, b) in enumerate(zip(got or [], exp or [])):
             if not torch.equal(a.detach().reshape(-1), b.reshape(-1)):
-                raise AssertionError(f"{name} {i}: not the reference's bits (state_format='bf16')")
+                raise AssertionError(f"{name} {i}: not the reference's bits (state_format={fmt!r})")
 
 
-def provide_fastzero_sr(data: OptimData) -> Runner:
-    """CPUAdam with bf16 states written by stochastic rounding."""
+# zero_states()'s names (cpu_adam_step's keywords) -> an optimizer's state keys
+STATE_KEYS = {
+    "exp_avgs": "exp_avg",
+    "exp_avg_sqs": "exp_avg_sq",
+    "exp_avg_absmax": "exp_avg_absmax",
+    "exp_avg_sq_absmax": "exp_avg_sq_absmax",
+}
+
+
+def optimizer_states(opt, params) -> dict[str, list]:
+    """An optimizer's per-param states as zero_states() names them."""
+    return {ours: [opt.state[p][k] for p in params] for ours, k in STATE_KEYS.items() if k in opt.state[params[0]]}
+
+
+def provide_fastzero_lowbit(data: OptimData, fmt: str) -> Runner:
+    """CPUAdam with states in `fmt`: "bf16" (stochastic rounding) or "int8" (block-wise)."""
     cpu_kernels()
     params = data.parameters()
-    opt = CPUAdam(params, **HYPER, state_format="bf16")
+    opt = CPUAdam(params, **HYPER, state_format=fmt)
 
     def check():
         opt.step()
-        sr_check(data, params, *[[opt.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")])
+        lowbit_check(data, fmt, params, optimizer_states(opt, params))
 
     return Runner(step=opt.step, check=check)
+
+
+def lowbit_peer_check(step, data: OptimData, params, *, within: float = 0.25, share: float = 0.999):
+    """A peer whose states are not fastzero's codes (its own 8-bit map, bf16 rounded to nearest)
+    cannot match the reference to the bit, so its first step is checked to do the same job: from
+    zero states each param moves by about lr (m/sqrt(v) = g/|g|), and at least `share` of the
+    params must land within `within` * lr of the reference's step from the same start; bf16 params
+    (written by stochastic rounding) within one bf16 ulp more. How many do not is in the message."""
+    start = [p.detach().float() for p in params]  # the peer's own start: its params may be bf16
+    grads = [p.grad.float() for p in params]
+    want = [t.clone() for t in start]
+    states = [[torch.zeros_like(t) for t in start] for _ in range(2)]
+    reference.adam_step(want, grads, *states, step=1, **step_args(data.hyper))
+    step()
+    for i, (a, b) in enumerate(zip(params, want)):
+        ulp = b.abs() * 2.0**-7 if a.dtype == torch.bfloat16 else 0.0
+        a = a.detach().float()
+        off = (a - b).abs() > within * data.hyper["lr"] + ulp
+        if off.float().mean() > 1 - share or not torch.isfinite(a).all():
+            raise AssertionError(f"tensor {i}: {int(off.sum())} of {a.numel()} params off the reference's step")
+
+
+@functools.cache
+def _torchao_optim():
+    try:
+        import torchao.optim
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        raise Unavailable(f"torchao not importable ({type(exc).__name__}: {exc}); pip install torchao") from None
+    return torchao.optim
+
+
+@functools.cache
+def _bnb_optim():
+    try:
+        import bitsandbytes.optim
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(f"bitsandbytes not importable ({type(exc).__name__}: {exc})") from None
+    return bitsandbytes.optim
+
+
+def _made(make):
+    """An optimizer from `make()`, or Unavailable with the peer's error (a CPU path it lacks)."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(f"{type(exc).__name__}: {exc}") from None
+
+
+def _holds_8bit_codes(state: dict) -> bool:
+    """Whether a peer's state has 8-bit codes (bitsandbytes: uint8 tensors; torchao: a tensor subclass
+    that keeps them in ``.codes``)."""
+    return any(getattr(t, "codes", t).dtype == torch.uint8 for t in state.values() if torch.is_tensor(t))
+
+
+def provide_8bit_peer(data: OptimData, which: str) -> Runner:
+    """torchao's or bitsandbytes' AdamW8bit (blocks of 256, as fastzero's default) on fp32 params."""
+    params = data.parameters()
+    if which == "torchao":  # torch.compile'd: its first step (the check) compiles, ~20 s here
+        optim = _torchao_optim()
+        opt = _made(lambda: optim.AdamW8bit(params, **HYPER, block_size=256))
+    else:  # bitsandbytes: blockwise, 256 per block on the CPU
+        optim = _bnb_optim()
+        opt = _made(lambda: optim.AdamW8bit(params, **HYPER))
+
+    def check():
+        lowbit_peer_check(opt.step, data, params)
+        if not _holds_8bit_codes(opt.state[params[0]]):
+            raise AssertionError("its states are not 8-bit here")
+
+    return Runner(step=opt.step, check=check)
+
+
+def provide_torchao_bf16(data: OptimData) -> Runner:
+    """torchao's AdamW with bf16 stochastic rounding: bf16 params (no fp32 master), the bf16 grad,
+    bf16 states rounded to nearest; the updated param is the bf16 copy the offload step writes."""
+    params = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in data.params]
+    for p, g in zip(params, data.grads):
+        p.grad = g.to(torch.bfloat16)
+    optim = _torchao_optim()
+    opt = _made(lambda: optim._AdamW(params, **HYPER, bf16_stochastic_round=True))
+    return Runner(step=opt.step, check=lambda: lowbit_peer_check(opt.step, data, params))
 
 
 def provide_torch(data: OptimData, impl: str) -> Runner:
@@ -111,26 +239,51 @@ def provide_deepspeed(data: OptimData) -> Runner:
     return Runner(step=opt.step, check=first_step_check(opt, params, data))
 
 
+def provide_offload_deepspeed(data: OptimData, job: bool = True) -> Runner:
+    """DeepSpeedCPUAdam on the offload case. `job`: the case's job its way (the low-precision grad
+    upcast into the fp32 grad, its step, the copy cast down); else its step alone on fp32 grads."""
+    cls = _deepspeed_cpu_adam()
+    params = data.parameters(grad_dtype=torch.float32)
+    copies = [torch.empty_like(p, dtype=data.copy_dtype) for p in data.params] if job else None
+    try:
+        opt = cls(params, **HYPER, adamw_mode=True)
+    except Exception as exc:  # noqa: BLE001 - its JIT build can fail
+        raise Unavailable(f"DeepSpeedCPUAdam failed to build: {exc}") from None
+
+    @torch.no_grad()
+    def step():
+        if job:
+            torch._foreach_copy_([p.grad for p in params], data.grads)
+        opt.step()
+        if job:
+            torch._foreach_copy_(copies, params)
+
+    def check():
+        step()
+        states = [[opt.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
+        data.check(params, *states, copies)
+
+    return Runner(step=step, check=check)
+
+
 def provide_offload_fastzero(data: OptimData, state_format: str | None = None) -> Runner:
     cpu_kernels()
     master = [p.clone() for p in data.params]
-    state_dtype = torch.bfloat16 if state_format == "bf16" else torch.float32
-    m = [torch.zeros_like(p, dtype=state_dtype) for p in master]
-    v = [torch.zeros_like(p, dtype=state_dtype) for p in master]
+    states = zero_states(state_format or "fp32", master)
     copies = [torch.empty_like(p, dtype=data.copy_dtype) for p in master]
     step_no = [0]
     formats = {} if state_format is None else {"state_format": state_format}
 
     def step():
         step_no[0] += 1
-        cpu_adam_step(master, data.grads, m, v, step=step_no[0], param_copies=copies, **formats, **step_args(HYPER))
+        cpu_adam_step(master, data.grads, step=step_no[0], param_copies=copies, **states, **formats, **step_args(HYPER))
 
     def check():
         step()
-        if state_format == "bf16":
-            sr_check(data, master, m, v, copies)
+        if state_format in ("bf16", "int8"):
+            lowbit_check(data, state_format, master, states, copies)
         else:
-            data.check(master, m, v, copies)
+            data.check(master, states["exp_avgs"], states["exp_avg_sqs"], copies)
 
     return Runner(step=step, check=check)
 
@@ -190,30 +343,56 @@ def cases(
         providers = [
             Provider("fastzero", "ours", lambda data=data: provide_offload_fastzero(data())),
             Provider("torch_pipeline", "peer", lambda data=data: provide_offload_torch(data())),
+            *deepspeed_offload_peers(data),
             roofline("cpu", [n]),
         ]
         what = f"mixed-precision offload step: fp32 master, {name} grad in, {name} param copy out"
         out.append(Case(FAMILY.name, f"offload-{name}-{_fmt(n)}", n, 28 * n, providers, what))
-    if "bf16states" in dtypes:  # bf16 optimizer states, stochastic rounding: 20 B per param
-        for n in sizes:
-            data = functools.cache(functools.partial(adam_data, [n]))
-            providers = [
-                Provider("fastzero", "ours", lambda data=data: provide_fastzero_sr(data())),
-                Provider("fastzero_fp32_states", "peer", lambda data=data: provide_fastzero(data())),
-                Provider("torch_fused", "peer", lambda data=data: provide_torch(data(), "fused")),
-                roofline("cpu", [n]),
-            ]
-            what = f"fp32 AdamW step with bf16 states (stochastic rounding), {_fmt(n)} params in one tensor"
-            out.append(Case(FAMILY.name, f"bf16states-{_fmt(n)}", n, 20 * n, providers, what))
-        n = sizes[0]
-        data = functools.cache(functools.partial(adam_data, [n], torch.bfloat16, torch.bfloat16))
+    for fmt in ("bf16", "int8"):  # low-bit optimizer states: --dtype bf16states, int8states
+        if f"{fmt}states" in dtypes:
+            out += lowbit_cases(fmt, sizes)
+    return out
+
+
+def deepspeed_offload_peers(data) -> list[Provider]:
+    return [
+        Provider("deepspeed", "peer", lambda: provide_offload_deepspeed(data())),
+        Provider("deepspeed_step", "peer", lambda: provide_offload_deepspeed(data(), job=False)),
+    ]
+
+
+def lowbit_cases(fmt: str, sizes: list[int]) -> list[Case]:
+    """The plain step and the offload step (bf16 grad in, bf16 copy out) with states in `fmt`, each
+    beside fastzero's fp32-state step and the peers that do the same job."""
+    out = []
+    what = {"bf16": "bf16 states (stochastic rounding)", "int8": "int8 block-wise states (blocks of 256)"}[fmt]
+    for n in sizes:
+        data = functools.cache(functools.partial(adam_data, [n]))
         providers = [
-            Provider("fastzero", "ours", lambda: provide_offload_fastzero(data(), "bf16")),
-            Provider("fastzero_fp32_states", "peer", lambda: provide_offload_fastzero(data())),
-            roofline("cpu", [n]),
+            Provider("fastzero", "ours", lambda data=data: provide_fastzero_lowbit(data(), fmt)),
+            Provider("fastzero_fp32_states", "peer", lambda data=data: provide_fastzero(data())),
+            Provider("torch_fused", "peer", lambda data=data: provide_torch(data(), "fused")),
         ]
-        what = "mixed-precision offload step with bf16 states: fp32 master, bf16 grad in, bf16 copy out"
-        out.append(Case(FAMILY.name, f"offload-bf16-bf16states-{_fmt(n)}", n, 20 * n, providers, what))
+        if fmt == "int8":
+            providers += [
+                Provider("torchao_adamw8bit", "peer", lambda data=data: provide_8bit_peer(data(), "torchao")),
+                Provider("bnb_adamw8bit", "peer", lambda data=data: provide_8bit_peer(data(), "bitsandbytes")),
+            ]
+        providers.append(roofline("cpu", [n]))
+        desc = f"fp32 AdamW step with {what}, {_fmt(n)} params in one tensor"
+        out.append(Case(FAMILY.name, f"{fmt}states-{_fmt(n)}", n, state_bytes(fmt, n), providers, desc))
+    n = sizes[0]
+    data = functools.cache(functools.partial(adam_data, [n], torch.bfloat16, torch.bfloat16))
+    providers = [
+        Provider("fastzero", "ours", lambda: provide_offload_fastzero(data(), fmt)),
+        Provider("fastzero_fp32_states", "peer", lambda: provide_offload_fastzero(data())),
+        *deepspeed_offload_peers(data),
+    ]
+    if fmt == "bf16":
+        providers.append(Provider("torchao_adamw_bf16sr", "peer", lambda: provide_torchao_bf16(data())))
+    providers.append(roofline("cpu", [n]))
+    desc = f"mixed-precision offload step with {what}: fp32 master, bf16 grad in, bf16 copy out"
+    out.append(Case(FAMILY.name, f"offload-bf16-{fmt}states-{_fmt(n)}", n, state_bytes(fmt, n), providers, desc))
     return out
 
 
@@ -221,7 +400,17 @@ FAMILY = Family(
     name="cpu_adam",
     description="CPUAdam (SIMD C++) vs torch.optim.AdamW fused/foreach and DeepSpeedCPUAdam",
     cases=cases,
-    peers=("torch_fused", "torch_foreach", "deepspeed", "torch_pipeline", "fastzero_fp32_states"),
+    peers=(
+        "torch_fused",
+        "torch_foreach",
+        "deepspeed",
+        "deepspeed_step",
+        "torch_pipeline",
+        "fastzero_fp32_states",
+        "torchao_adamw8bit",
+        "bnb_adamw8bit",
+        "torchao_adamw_bf16sr",
+    ),
     roofline=roofline,
     summary=bandwidth_summary,
 )

@@ -118,12 +118,15 @@ def optim_case(
     peer: tuple[str, Callable],
     description: str,
     device: str,
+    step_bytes: int | None = None,
 ) -> Case:
     """A case of an optimizer that runs on the CPU and on GPUs: fastzero's backends on `device`
     (``ours(data, backend, device)``), one peer (``(name, make(data(), device))``) and the device's bandwidth probe,
-    over tensors of `sizes` from `data` (made on first use, shared)."""
+    over tensors of `sizes` from `data` (made on first use, shared). A step moves `bytes_per_param` per param, or
+    `step_bytes` in all where given (what does not scale with the params: int8 states' block scales)."""
     peer_name, make_peer = peer
     n = sum(sizes)
     providers = [Provider(p, "ours", functools.partial(ours, data, b, device)) for p, b in our_backends(device)]
     providers += [Provider(peer_name, "peer", lambda: make_peer(data(), device)), roofline(device, sizes)]
-    return Case(kernel, name, n, bytes_per_param * n, providers, description)
+    step_bytes = bytes_per_param * n if step_bytes is None else step_bytes
+    return Case(kernel, name, n, step_bytes, providers, description)
