@@ -24,7 +24,10 @@ same held-out sequences. Runs (``--only`` picks some):
   ``torchao-bf16-sr``: torchao's AdamW with ``bf16_stochastic_round=True``,
   which rounds the *params* stochastically: the model in bf16 (no fp32 master),
   its states bf16 rounded to nearest, so its forward and backward run in bf16
-  too (a different job; fastzero has no master-free mode).
+  too (a different job: compare it with the next two).
+- ``fastzero-bf16-params-sr``: the same job in fastzero: the model in bf16, no
+  fp32 master, ``CPUAdam(bf16_stochastic_round=True)`` (fp32 states);
+  ``fastzero-bf16-params-rtn``: the same with the params rounded to nearest.
 
 Reported per run: the held-out loss at the end (and along the way), the median
 time of ``opt.step()`` and of a whole training step after the first
@@ -112,6 +115,8 @@ OPTIMIZERS: dict[str, tuple[Callable, torch.dtype]] = {
     "torchao-adamw8bit": (_torchao("AdamW8bit", block_size=256), torch.float32),
     "bnb-adamw8bit": (lambda ps, hp: _import("bitsandbytes.optim").AdamW8bit(ps, **hp), torch.float32),
     "torchao-bf16-sr": (_torchao("_AdamW", bf16_stochastic_round=True), torch.bfloat16),
+    "fastzero-bf16-params-sr": (lambda ps, hp: CPUAdam(ps, **hp, bf16_stochastic_round=True), torch.bfloat16),
+    "fastzero-bf16-params-rtn": (lambda ps, hp: CPUAdam(ps, **hp), torch.bfloat16),
 }
 
 

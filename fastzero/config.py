@@ -132,7 +132,7 @@ class ZeroConfig:
 
 # Adam's and AdamW's state format (docs/zero.md, "Optimizer state formats"): how exp_avg and exp_avg_sq are
 # stored, DeepSpeed's fp32_optimizer_states beside it; resolved by _state_format into state_format (and seed for
-# bf16, block_size for int8)
+# bf16 and int8, block_size for int8)
 STATE_FORMAT_PARAMS = dict(state_format=None, fp32_optimizer_states=None, seed=None, block_size=None)
 STATE_FORMAT_TYPES = ("adam", "adamw")
 OPTIMIZER_PARAMS = {
@@ -647,7 +647,7 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
         if name in STATE_FORMAT_PARAMS and key not in STATE_FORMAT_TYPES:
             raise ConfigNotSupported(
                 f"optimizer.params.{name}: {OPTIMIZER_NAMES[key]} keeps its states in fp32; the state formats "
-                "(state_format 'fp32', 'param_dtype', 'bf16' with seed, 'int8' with block_size; DeepSpeed's "
+                "(state_format 'fp32', 'param_dtype', 'bf16' with seed, 'int8' with seed and block_size; DeepSpeed's "
                 f"fp32_optimizer_states) are Adam's and AdamW's: use optimizer.type Adam or AdamW, or leave {name} out"
             )
         if name not in allowed:
@@ -688,7 +688,7 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
 
 
 def _state_format(given: dict) -> dict:
-    """Adam's ``state_format`` (with ``seed`` for bf16, ``block_size`` for
+    """Adam's ``state_format`` (with ``seed`` for bf16 and int8, ``block_size`` for
     int8) from the optimizer params of :data:`STATE_FORMAT_PARAMS`: checked,
     DeepSpeed's ``fp32_optimizer_states`` folded in (true is 'fp32', false
     'param_dtype'; given with state_format, the two must agree)."""
@@ -707,10 +707,10 @@ def _state_format(given: dict) -> dict:
         )
     out = {"state_format": fmt}
     if seed is not None:
-        if fmt != "bf16":
+        if fmt not in ("bf16", "int8"):
             raise ConfigError(
                 f"optimizer.params.seed = {seed!r}: the seed of stochastic rounding, which only state_format 'bf16' "
-                f"does (state_format is {fmt!r}); set state_format: 'bf16', or leave seed out"
+                f"and 'int8' do (state_format is {fmt!r}); set state_format: 'bf16' or 'int8', or leave seed out"
             )
         out["seed"] = _check_value("optimizer.params.seed", seed, dict(kind="int", low=0, high=2**32 - 1))
     if block is not None:

@@ -111,7 +111,7 @@ KEYS: dict[str, Key] = {
     "optimizer.type": done("one of the types below (case-insensitive)"),
     "optimizer.params": done(
         "the type's hyperparameters, checked by name (docs/optimizers.md); Adam and AdamW also take state_format "
-        "('fp32' default, 'param_dtype', 'bf16' with seed, 'int8' with block_size) and DeepSpeed's "
+        "('fp32' default, 'param_dtype', 'bf16' with seed, 'int8' with seed and block_size) and DeepSpeed's "
         "fp32_optimizer_states (docs/zero.md, optimizer state formats)"
     ),
     "optimizer.legacy_fusion": refused("DeepSpeed's legacy fp16 fused optimizer is not implemented"),
