@@ -76,6 +76,9 @@ class FP16Config:
 @dataclass(frozen=True)
 class BF16Config:
     enabled: bool = _opt(False, "bool")
+    # DeepSpeed's name; fastzero's meaning: no fp32 master at all, the rank's bf16 shard is the param Adam/AdamW
+    # update, written with stochastic rounding (optimizer.params.bf16_stochastic_round, default true here)
+    bf16_master_weights_and_grads: bool = _opt(False, "bool")
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,12 @@ class ZeroConfig:
 
 
 # Adam's and AdamW's state format (docs/zero.md, "Optimizer state formats"): how exp_avg and exp_avg_sq are
-# stored, DeepSpeed's fp32_optimizer_states beside it; resolved by _state_format into state_format (and seed for
-# bf16 and int8, block_size for int8)
-STATE_FORMAT_PARAMS = dict(state_format=None, fp32_optimizer_states=None, seed=None, block_size=None)
+# stored, DeepSpeed's fp32_optimizer_states beside it; and how bf16 params kept without an fp32 master are
+# written (bf16_stochastic_round, docs/zero.md "bf16 params without an fp32 master"). Resolved by _state_format
+# into state_format and bf16_stochastic_round (and seed for either's stochastic rounding, block_size for int8)
+STATE_FORMAT_PARAMS = dict(
+    state_format=None, fp32_optimizer_states=None, seed=None, block_size=None, bf16_stochastic_round=None
+)
 STATE_FORMAT_TYPES = ("adam", "adamw")
 OPTIMIZER_PARAMS = {
     # type -> allowed params (DeepSpeed's names) and fastzero's defaults
@@ -226,7 +232,14 @@ class OptimizerRule:
     stages_reason: str = ""
     offload: bool = True
     offload_reason: str = ""
+    no_master: bool = True  # with bf16.bf16_master_weights_and_grads: bf16 params updated without an fp32 master
+    no_master_reason: str = ""
 
+
+_NO_SR_PARAMS = (
+    "its step keeps an fp32 master of every bf16 param; writing bf16 params with stochastic rounding "
+    "(bf16_stochastic_round) is Adam's and AdamW's"
+)
 
 # What combines with what, by optimizer (OPTIMIZER_NAMES' values): the config check and the engine's optimizer
 # builder (which also sees optimizers a script passes) both read it.
@@ -239,6 +252,8 @@ OPTIMIZER_RULES: dict[str, OptimizerRule] = {
         "Adam/AdamW",
         offload=False,
         offload_reason="the CPU step is Adam/AdamW's (CPUAdam)",
+        no_master=False,
+        no_master_reason=_NO_SR_PARAMS,
     ),
     "OneBitAdam": OptimizerRule(
         stages=(0, 1),
@@ -246,6 +261,8 @@ OPTIMIZER_RULES: dict[str, OptimizerRule] = {
         "during backward",
         offload=False,
         offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
+        no_master=False,
+        no_master_reason=_NO_SR_PARAMS,
     ),
     "ZeroOneAdam": OptimizerRule(
         stages=(0, 1),
@@ -254,6 +271,8 @@ OPTIMIZER_RULES: dict[str, OptimizerRule] = {
         offload=False,
         offload_reason="its compressed and local steps run where the params are, and the CPU step is Adam/AdamW's "
         "(CPUAdam)",
+        no_master=False,
+        no_master_reason=_NO_SR_PARAMS,
     ),
     "OneBitLamb": OptimizerRule(
         stages=(0, 1),
@@ -261,6 +280,8 @@ OPTIMIZER_RULES: dict[str, OptimizerRule] = {
         "during backward",
         offload=False,
         offload_reason="its compressed step runs where the params are, and the CPU step is Adam/AdamW's (CPUAdam)",
+        no_master=False,
+        no_master_reason=_NO_SR_PARAMS,
     ),
 }
 
@@ -274,10 +295,11 @@ def zero_one_adam_local_steps(clipper: int) -> str:
     )
 
 
-def check_optimizer(name: str, stage: int, offload: bool) -> None:
+def check_optimizer(name: str, stage: int, offload: bool, no_master: bool = False) -> None:
     """Raises :class:`ConfigNotSupported`, with the reason from
     :data:`OPTIMIZER_RULES`, when optimizer `name` does not work at ZeRO
-    `stage` or with the optimizer offloaded (`offload`)."""
+    `stage`, with the optimizer offloaded (`offload`) or with bf16 params
+    kept without fp32 masters (`no_master`: ``bf16.bf16_master_weights_and_grads``)."""
     rule = OPTIMIZER_RULES[name]
     if stage not in rule.stages:
         *rest, last = map(str, rule.stages)
@@ -287,6 +309,11 @@ def check_optimizer(name: str, stage: int, offload: bool) -> None:
         )
     if offload and not rule.offload:
         raise ConfigNotSupported(f"{name} with offload_optimizer: {rule.offload_reason}")
+    if no_master and not rule.no_master:
+        raise ConfigNotSupported(
+            f"{name} with bf16.bf16_master_weights_and_grads: {rule.no_master_reason}; use optimizer type Adam or "
+            "AdamW, or set bf16.bf16_master_weights_and_grads: false (fp32 masters)"
+        )
 
 
 SCHEDULER_PARAMS = {
@@ -631,7 +658,10 @@ def _torch_optimizer(name: str) -> bool:
     return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
 
 
-def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
+def _resolve_optimizer(opt: OptimizerConfig, no_master: bool = False) -> OptimizerConfig:
+    """The optimizer section checked, its type's defaults filled in;
+    `no_master`: ``bf16.bf16_master_weights_and_grads`` (Adam's
+    ``bf16_stochastic_round`` defaults to it)."""
     if not opt.type and not opt.params:
         return opt
     key = opt.type.lower()
@@ -644,6 +674,12 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     for name in opt.params:
         if name in OPTIMIZER_UNSUPPORTED_PARAMS or (name == "comm_backend_name" and key not in ONEBIT_FAMILY):
             raise ConfigNotSupported(f"optimizer.params.{name}: not supported by fastzero's {OPTIMIZER_NAMES[key]}")
+        if name == "bf16_stochastic_round" and key not in STATE_FORMAT_TYPES:
+            raise ConfigNotSupported(
+                f"optimizer.params.bf16_stochastic_round: {OPTIMIZER_NAMES[key]} writes bf16 params rounded to "
+                "nearest from fp32 masters; stochastic rounding of bf16 params without a master is Adam's and "
+                "AdamW's: use optimizer.type Adam or AdamW, or leave bf16_stochastic_round out"
+            )
         if name in STATE_FORMAT_PARAMS and key not in STATE_FORMAT_TYPES:
             raise ConfigNotSupported(
                 f"optimizer.params.{name}: {OPTIMIZER_NAMES[key]} keeps its states in fp32; the state formats "
@@ -654,7 +690,7 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
             raise _unknown(f"optimizer.params ({OPTIMIZER_NAMES[key]}).", name, list(allowed))
     params = {**allowed, **opt.params}
     if key in STATE_FORMAT_TYPES:
-        params.update(_state_format({k: params.pop(k) for k in STATE_FORMAT_PARAMS}))
+        params.update(_state_format({k: params.pop(k) for k in STATE_FORMAT_PARAMS}, no_master))
     for name, value in params.items():
         path = f"optimizer.params.{name}"
         if name in STATE_FORMAT_PARAMS:
@@ -687,14 +723,24 @@ def _resolve_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     return replace(opt, type=OPTIMIZER_NAMES[key], params=params)
 
 
-def _state_format(given: dict) -> dict:
-    """Adam's ``state_format`` (with ``seed`` for bf16 and int8, ``block_size`` for
-    int8) from the optimizer params of :data:`STATE_FORMAT_PARAMS`: checked,
-    DeepSpeed's ``fp32_optimizer_states`` folded in (true is 'fp32', false
-    'param_dtype'; given with state_format, the two must agree)."""
+def _state_format(given: dict, no_master: bool = False) -> dict:
+    """Adam's ``state_format`` (with ``seed`` for bf16 and int8, ``block_size``
+    for int8) and ``bf16_stochastic_round`` from the optimizer params of
+    :data:`STATE_FORMAT_PARAMS`: checked, DeepSpeed's
+    ``fp32_optimizer_states`` folded in (true is 'fp32', false
+    'param_dtype'; given with state_format, the two must agree).
+    ``bf16_stochastic_round`` defaults to `no_master`
+    (``bf16.bf16_master_weights_and_grads``) and needs it."""
     from fastzero.checks import INT8_BLOCK_SIZES, STATE_FORMATS  # imports torch: only here, as _torch_optimizer
 
-    fmt, fp32, seed, block = (given[k] for k in STATE_FORMAT_PARAMS)
+    fmt, fp32, seed, block, sr = (given[k] for k in STATE_FORMAT_PARAMS)
+    sr = no_master if sr is None else _check_value("optimizer.params.bf16_stochastic_round", sr, dict(kind="bool"))
+    if sr and not no_master:
+        raise ConfigError(
+            "optimizer.params.bf16_stochastic_round = true writes bf16 params kept without an fp32 master, and "
+            "bf16.bf16_master_weights_and_grads is false (the engine keeps fp32 masters, which hold every bit of "
+            "the update): set bf16.bf16_master_weights_and_grads: true, or leave bf16_stochastic_round out"
+        )
     if fp32 is not None:
         fp32 = _check_value("optimizer.params.fp32_optimizer_states", fp32, dict(kind="bool"))
     if fmt is None:
@@ -705,12 +751,13 @@ def _state_format(given: dict) -> dict:
             f"optimizer.params.fp32_optimizer_states = {json.dumps(fp32)} contradicts optimizer.params.state_format "
             f"= {fmt!r}: keep one (fp32_optimizer_states true is state_format 'fp32', false is 'param_dtype')"
         )
-    out = {"state_format": fmt}
+    out = {"state_format": fmt, "bf16_stochastic_round": sr}
     if seed is not None:
-        if fmt not in ("bf16", "int8"):
+        if fmt not in ("bf16", "int8") and not sr:
             raise ConfigError(
                 f"optimizer.params.seed = {seed!r}: the seed of stochastic rounding, which only state_format 'bf16' "
-                f"and 'int8' do (state_format is {fmt!r}); set state_format: 'bf16' or 'int8', or leave seed out"
+                f"and 'int8' and bf16_stochastic_round do (state_format is {fmt!r}, bf16_stochastic_round false); "
+                "set state_format: 'bf16' or 'int8', or leave seed out"
             )
         out["seed"] = _check_value("optimizer.params.seed", seed, dict(kind="int", low=0, high=2**32 - 1))
     if block is not None:
@@ -839,11 +886,32 @@ def _check_combinations(cfg: Config) -> None:
             f"prescale_gradients with gradient_predivide_factor = {cfg.gradient_predivide_factor}: prescaling divides "
             "by the number of ranks before the sum, so the predivide factor would be ignored; keep one"
         )
+    _check_bf16_masters(cfg)
     if cfg.optimizer.type:
-        check_optimizer(cfg.optimizer.type, zero.stage, offload=zero.offload_optimizer.device != "none")
+        offload = zero.offload_optimizer.device != "none"
+        check_optimizer(cfg.optimizer.type, zero.stage, offload, no_master=cfg.bf16.bf16_master_weights_and_grads)
     clipper = cfg.optimizer.params.get("local_step_clipper", 1)
     if cfg.optimizer.type == "ZeroOneAdam" and zero.stage == 1 and clipper != 1:
         raise ConfigNotSupported(zero_one_adam_local_steps(clipper))
+
+
+def _check_bf16_masters(cfg: Config) -> None:
+    """``bf16.bf16_master_weights_and_grads`` keeps bf16 params without fp32
+    masters: it needs bf16 training (fp16 keeps its masters: fastzero's
+    stochastic rounding writes bf16 only)."""
+    if not cfg.bf16.bf16_master_weights_and_grads or cfg.bf16.enabled:
+        return
+    why = (
+        "; fp16 keeps its fp32 masters: its loss scaling would work without them (the kernel unscales in fp32), "
+        "but fastzero's stochastic rounding writes bf16 params only, and fp16 params rounded to nearest lose every "
+        "update below half an fp16 ulp"
+        if cfg.fp16.enabled
+        else ""
+    )
+    raise ConfigError(
+        "bf16.bf16_master_weights_and_grads = true keeps bf16 params without fp32 masters, and bf16.enabled is "
+        f"false{why}: set bf16.enabled: true (and fp16.enabled: false), or leave bf16_master_weights_and_grads out"
+    )
 
 
 class _Pairs(list):
@@ -1050,7 +1118,8 @@ def _validate(raw: dict, world_size: int) -> Config:
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size = {world_size!r}: must be an integer >= 1")
     cfg = _parse(Config, raw, "")
-    cfg = replace(cfg, optimizer=_resolve_optimizer(cfg.optimizer), scheduler=_resolve_scheduler(cfg.scheduler))
+    optimizer = _resolve_optimizer(cfg.optimizer, cfg.bf16.bf16_master_weights_and_grads)
+    cfg = replace(cfg, optimizer=optimizer, scheduler=_resolve_scheduler(cfg.scheduler))
     cfg = _resolve_batch(cfg, world_size)
     _check_combinations(cfg)
     _check_zeropp(cfg, world_size)

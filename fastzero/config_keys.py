@@ -112,7 +112,8 @@ KEYS: dict[str, Key] = {
     "optimizer.params": done(
         "the type's hyperparameters, checked by name (docs/optimizers.md); Adam and AdamW also take state_format "
         "('fp32' default, 'param_dtype', 'bf16' with seed, 'int8' with seed and block_size) and DeepSpeed's "
-        "fp32_optimizer_states (docs/zero.md, optimizer state formats)"
+        "fp32_optimizer_states (docs/zero.md, optimizer state formats), and bf16_stochastic_round (torchao's name; "
+        "default true with bf16.bf16_master_weights_and_grads, which it needs; false there: rounded to nearest)"
     ),
     "optimizer.legacy_fusion": refused("DeepSpeed's legacy fp16 fused optimizer is not implemented"),
     "optimizer.type=adam": done("Adam (fastzero.ops); adam_w_mode true (default): AdamW's decoupled decay"),
@@ -157,12 +158,23 @@ KEYS: dict[str, Key] = {
         "the engine always casts floating-point forward inputs to the training dtype (DeepSpeed's true); with "
         "false, inputs already in float16 are unchanged by that cast, and others need it"
     ),
-    "fp16.fp16_master_weights_and_grads": refused("the masters are always fp32"),
-    "bf16": done("bfloat16 training with fp32 masters"),
+    "fp16.fp16_master_weights_and_grads": refused(
+        "fp16 params keep fp32 masters: fastzero's stochastic rounding writes bf16 params only, and fp16 params "
+        "rounded to nearest lose every update below half an fp16 ulp; bf16.bf16_master_weights_and_grads drops "
+        "the masters under bf16"
+    ),
+    "bf16": done("bfloat16 training, with fp32 masters (or none: bf16_master_weights_and_grads)"),
     "bf16.enabled": done(),
     "bf16.immediate_grad_update": refused("gradients are reduced in buckets, then stepped; not implemented"),
     "bf16.check_grad_overflow": refused("a non-finite gradient is handled by non_finite_grads (skip or raise)"),
-    "bf16.bf16_master_weights_and_grads": refused("the masters are always fp32"),
+    "bf16.bf16_master_weights_and_grads": done(
+        "no fp32 master: the rank's bf16 shard is the param Adam/AdamW update, written with stochastic rounding "
+        "(optimizer.params.bf16_stochastic_round, default true; false: to nearest), 2 bytes per param instead "
+        "of 6; the gradients are bf16, as always. DeepSpeed's keeps a separate bf16 master copy (and bf16 grads) "
+        "updated rounded to nearest, at stages 1-3; fastzero's keeps no copy, at stages 0-3 and with "
+        "offload_optimizer. Refused with fp16, Lamb, the 1-bit optimizers and client optimizers other than Adam "
+        "(docs/zero.md)"
+    ),
     "bf16.bf16_optimizer_states": refused(
         "DeepSpeed's bf16 states are rounded to nearest; fastzero's are optimizer.params.state_format: 'bf16' "
         "(stochastic rounding) or 'int8' (block-wise), for Adam and AdamW (docs/zero.md)"

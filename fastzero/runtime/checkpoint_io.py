@@ -232,6 +232,7 @@ def _extra_and_manifest(engine, path: Path, payloads: list, client_state, exclud
         "world_size": _comm(engine).world_size,
         "stage": engine.stage,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "master_dtype": str(engine.master_dtype).removeprefix("torch."),  # what the pieces' "master" values were
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
@@ -867,15 +868,17 @@ def _state_format(engine) -> dict | None:
 
 
 def _load_state_format(engine, manifest: dict) -> None:
-    """After the pieces are in, in this optimizer's format: a bf16 one takes
-    the saved seed of bf16 states; the log says what was converted (a warning
-    where values were rounded: to bf16, to int8, or int8 re-encoded in other
-    blocks), on rank 0, as the optimizer's state-dict load does."""
+    """After the pieces are in, in this optimizer's format: one that rounds
+    stochastically (bf16 states, bf16 params without masters) takes the saved
+    seed of one that did, so that a resume rounds as the uninterrupted run;
+    the log says what was converted (a warning where values were rounded: to
+    bf16, to int8, or int8 re-encoded in other blocks), on rank 0, as the
+    optimizer's state-dict load does."""
     ours = _state_format(engine)
     if ours is None:
         return
     saved = manifest.get("state_format") or {"format": "fp32", "seed": None, "block_size": None}  # before formats
-    if saved["format"] == ours["format"] == "bf16" and saved["seed"] is not None:
+    if saved["seed"] is not None and ours["seed"] is not None:
         engine.optimizer.seed = saved["seed"]
     same_layout = (manifest["world_size"], manifest["stage"]) == (_comm(engine).world_size, engine.stage)
     if _held_as(saved) == _held_as(ours) and (ours["format"] != "int8" or same_layout):
@@ -894,6 +897,30 @@ def _load_state_format(engine, manifest: dict) -> None:
             ours["format"],
             _held_as(ours),
             how,
+        )
+
+
+def _load_masters(engine, manifest: dict) -> None:
+    """The log's note, on rank 0, of masters loaded across precisions: a
+    checkpoint's fp32 masters into bf16 params without masters
+    (``bf16.bf16_master_weights_and_grads``) are rounded to nearest (a
+    warning); bf16 params saved without masters load exactly into fp32 ones
+    (info)."""
+    saved = manifest.get("master_dtype", "float32")  # before the field: masters were fp32 (or fp32 training)
+    ours = str(engine.master_dtype).removeprefix("torch.")
+    if saved == ours or _comm(engine).rank != 0:
+        return
+    if ours == "float32":
+        log.info(
+            "load_checkpoint: the checkpoint's params were %s without fp32 masters; this run's fp32 masters take "
+            "their values exactly",
+            saved,
+        )
+    else:
+        log.warning(
+            "load_checkpoint: the checkpoint's fp32 masters were rounded to nearest into this run's %s params, "
+            "which have no fp32 master (bf16.bf16_master_weights_and_grads)",
+            ours,
         )
 
 
@@ -1126,6 +1153,7 @@ def _apply(
         for h in handles:
             h.wait()
         engine.module.load_state_dict(ready.module_state, strict=False)  # checked: only the non-trained names
+        _load_masters(engine, manifest)
         if load_optimizer_states:
             _load_state_format(engine, manifest)
             _load_onebit_state(

@@ -56,6 +56,8 @@ def _validate(manifest: Any, where: Path) -> None:
     need("world_size", "an int >= 1", lambda v: _is_int(v, 1))
     need("stage", "an int in 0..3", lambda v: _is_int(v, 0, 3))
     need("dtype", f"one of {DTYPES}", lambda v: v in DTYPES)
+    if "master_dtype" in manifest:  # the pieces' "master" values: float32, or bf16 params without masters
+        need("master_dtype", f"one of {DTYPES}", lambda v: v in DTYPES)
     for field in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         need(field, "an int >= 0", lambda v: _is_int(v, 0))
     need("loss_scaler", "an object or null", lambda v: v is None or isinstance(v, dict))

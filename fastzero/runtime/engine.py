@@ -222,12 +222,15 @@ class Engine(torch.nn.Module):
                 for k, g in enumerate(groups)
             ]
             self.fetcher = None
+        # bf16.bf16_master_weights_and_grads: no fp32 master, the bf16 shard is the param the optimizer updates
+        no_master = cfg.bf16.bf16_master_weights_and_grads
+        self.master_dtype = self.dtype if no_master else torch.float32  # what checkpoints' "master" values hold
         self.optimizer = build_optimizer(
             cfg,
             groups,
             [g.optimizer_params() for g in self.groups],
             optimizer,
-            master_weights=self.dtype != torch.float32,
+            master_weights=self.dtype != torch.float32 and not no_master,
         )
         self.onebit = isinstance(self.optimizer, OneBitBase)  # the 1-bit family
         if self.onebit and model_parallel:
@@ -722,7 +725,8 @@ class Engine(torch.nn.Module):
         flat low-precision or fp32 params), ``grads`` (flat gradients, or
         the gradient shard), ``grad_buckets`` (stage 2's pooled buffers),
         ``master`` (fp32 master params; 0 in fp32 training, where the params
-        are their own masters) and ``optimizer`` (exp_avg, exp_avg_sq). With
+        are their own masters, and with ``bf16.bf16_master_weights_and_grads``,
+        where the bf16 params are) and ``optimizer`` (exp_avg, exp_avg_sq). With
         ZeRO-Offload those two are 0 and ``offload_master``,
         ``offload_optimizer`` and ``offload_staging`` (the pipelined step's
         CPU buffers) are in CPU memory, as ``offload_params`` (stage 3's

@@ -266,8 +266,10 @@ def _is_scalar(key: str, value: Any, opt_param: Tensor) -> bool:
 
 
 def _flat_state(state: dict, opt_param: Tensor) -> dict[str, Tensor]:
-    """The master (the tensor itself when it is fp32 already) and every
-    per-element state tensor of one optimizer tensor, flattened. State of
+    """The master (the tensor itself where no separate one is kept: fp32
+    training, or bf16 params without masters, whose values a load rounds to
+    nearest) and every per-element state tensor of one optimizer tensor,
+    flattened. State of
     another size cannot follow the elements to another layout: refused."""
     out = {"master": state.get("master_param", opt_param).reshape(-1)}
     for key, value in state.items():

@@ -24,7 +24,14 @@ scales of elements [lo, hi) are scales [lo // block, ceil(hi / block))); bf16
 and int8 states round with bits keyed by each element's index in its tensor,
 which a piece starting at `lo` would shift, so it takes the seed under which
 its indices draw the shard's bits (:func:`fastzero.ops.adam.reference.sr_seed_at`,
-exact for a piece of at most 2^k elements at a multiple of 2^k).
+exact for a piece of at most 2^k elements at a multiple of 2^k). bf16
+params written with stochastic rounding (``bf16_stochastic_round``) take
+the same seed: their bits come from the same hash of (seed, step, index).
+
+Without master weights (``bf16.bf16_master_weights_and_grads``) the CPU copy
+of each shard tensor is in its own dtype (bf16): the kernel updates it in
+place, with stochastic rounding, and it goes back to the device as it is
+(no fp32 master, no staging of a param copy).
 """
 
 from __future__ import annotations
@@ -79,12 +86,16 @@ class OffloadedAdam(CPUAdam):
     brings the grads over, updates the masters and writes the device
     tensors back, chunk by chunk. The state format is CPUAdam's
     (``state_format``, ``seed``, ``block_size``): the same bits as one
-    step over each shard tensor (the module's docstring)."""
+    step over each shard tensor (the module's docstring). With
+    ``master_weights=False`` the CPU copies keep the device tensors' dtype
+    (bf16 params without an fp32 master, written with stochastic rounding
+    under ``bf16_stochastic_round``)."""
 
     def __init__(
         self,
         params,
         *,
+        master_weights: bool = True,
         pin_memory: bool = False,
         chunk: int | None = None,
         sub_group_size: int = 1_000_000_000,
@@ -99,7 +110,7 @@ class OffloadedAdam(CPUAdam):
         for g in groups:
             masters = []
             for dev in g["params"]:
-                master = _cpu_buffer(dev, torch.float32, self.pin)
+                master = _cpu_buffer(dev, torch.float32 if master_weights else dev.dtype, self.pin)
                 master.copy_(dev.detach().reshape(-1))
                 self.device_of[master] = dev
                 masters.append(master)
@@ -112,7 +123,7 @@ class OffloadedAdam(CPUAdam):
         total = sum(m.numel() for m in self.device_of)
         self.ring = total > sub_group_size  # rotating buffers of a piece each (see the module's docstring)
         self.piece_cap = self._aligned(sub_group_size // 2) if self.ring else None
-        low = first.dtype != torch.float32
+        low = first.dtype != next(iter(self.device_of)).dtype  # the kernel writes a copy in the device's dtype
         if self.ring:
             slot = lambda: torch.empty(self.piece_cap, dtype=first.dtype, pin_memory=self.pin)
             self.grad_in = [slot(), slot()]
@@ -183,21 +194,25 @@ class OffloadedAdam(CPUAdam):
 
     def _piece_format(self, state: dict, step: int, lo: int, hi: int) -> dict:
         """The state format's arguments of the step over elements [lo, hi) of
-        one master (a piece from :meth:`_aligned`'s sizes): bf16, the seed
-        under which the piece draws the whole master's bits; int8, the
-        scales of its blocks (and the seed, as bf16: the codes round stochastically)."""
+        one master (a piece from :meth:`_aligned`'s sizes): stochastic
+        rounding (bf16 and int8 states, bf16 params), the seed under which the piece
+        draws the whole master's bits; int8, the scales of its blocks."""
+        out = {}
+        if self.seed is not None:  # bf16 states or bf16_stochastic_round: one hash gives both their bits
+            out["seed"] = sr_seed_at(self.seed, step, lo)
+        if self.bf16_stochastic_round:
+            out["bf16_stochastic_round"] = True
         if self.state_format == "bf16":
-            return {"state_format": "bf16", "seed": sr_seed_at(self.seed, step, lo)}
+            out["state_format"] = "bf16"
         if self.state_format == "int8":
             blocks = slice(lo // self.block_size, -(-hi // self.block_size))
-            return {
-                "state_format": "int8",
-                "seed": sr_seed_at(self.seed, step, lo),
-                "exp_avg_absmax": [state["exp_avg_absmax"][blocks]],
-                "exp_avg_sq_absmax": [state["exp_avg_sq_absmax"][blocks]],
-                "block_size": self.block_size,
-            }
-        return {}
+            out.update(
+                state_format="int8",
+                exp_avg_absmax=[state["exp_avg_absmax"][blocks]],
+                exp_avg_sq_absmax=[state["exp_avg_sq_absmax"][blocks]],
+                block_size=self.block_size,
+            )
+        return out
 
     def offloaded_bytes(self) -> dict[str, int]:
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)

@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from fastzero.config import Config, ConfigError, check_optimizer
+from fastzero.config import Config, ConfigError, ConfigNotSupported, check_optimizer
 from fastzero.ops import CPUAdam, FusedAdam, FusedLamb
 from fastzero.runtime.client_optimizer import ClientOptimizer
 from fastzero.runtime.offload import OffloadedAdam
@@ -58,10 +58,11 @@ _CLASSES = {
 }
 
 
-def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]] | None:
+def _from_client(client: torch.optim.Optimizer, no_master: bool) -> tuple[str, dict, list[dict]] | None:
     """(optimizer name, constructor kwargs, per-group hyperparameters) that
     reproduce `client`'s math with a fused optimizer, or None: it runs as it is
-    (:class:`ClientOptimizer`)."""
+    (:class:`ClientOptimizer`). `no_master` (bf16 params without fp32
+    masters): fastzero's Adam writes them with stochastic rounding."""
     groups = client.param_groups
     if isinstance(client, OneBitAdam):
         kwargs = dict(freeze_step=client.freeze_step, max_grad_norm=client.max_grad_norm)
@@ -77,16 +78,29 @@ def _from_client(client: torch.optim.Optimizer) -> tuple[str, dict, list[dict]] 
     if isinstance(client, FusedLamb):
         return "Lamb", {}, [{k: g[k] for k in _LAMB_KEYS if k in g} for g in groups]
     if isinstance(client, (FusedAdam, CPUAdam)):  # with its state format (bf16's seed, int8's block size)
+        if client.bf16_stochastic_round and not no_master:
+            raise ConfigError(
+                f"optimizer={type(client).__name__}(bf16_stochastic_round=True) writes bf16 params kept without an "
+                "fp32 master, and the engine keeps fp32 masters: set bf16.bf16_master_weights_and_grads: true in "
+                "the config (bf16.enabled too), or pass bf16_stochastic_round=False"
+            )
         fmt = dict(state_format=client.state_format, seed=client.seed, block_size=client.block_size)
         kwargs = {k: v for k, v in fmt.items() if v is not None}
-        return "Adam", kwargs, [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
+        return "Adam", _rounding(kwargs, no_master), [{k: g[k] for k in _ADAM_KEYS if k in g} for g in groups]
     if type(client) in (torch.optim.Adam, torch.optim.AdamW):
         if any(g.get(key) for g in groups for key in ("amsgrad", "maximize")):
             return None  # the fused Adam does not implement them: torch's own Adam runs
         adamw = isinstance(client, torch.optim.AdamW) or bool(client.defaults.get("decoupled_weight_decay"))
         keep = ("lr", "betas", "eps", "weight_decay")
-        return "AdamW" if adamw else "Adam", {}, [dict({k: g[k] for k in keep}, adamw_mode=adamw) for g in groups]
+        hypers = [dict({k: g[k] for k in keep}, adamw_mode=adamw) for g in groups]
+        return "AdamW" if adamw else "Adam", _rounding({}, no_master), hypers
     return None
+
+
+def _rounding(kwargs: dict, no_master: bool) -> dict:
+    """A client Adam's kwargs with how bf16 params without fp32 masters are
+    written: stochastic rounding (bf16.bf16_master_weights_and_grads' default)."""
+    return {**kwargs, "bf16_stochastic_round": True} if no_master else kwargs
 
 
 _warned_untested: set[str] = set()  # class names warned about, once per process as DeepSpeed does
@@ -141,7 +155,10 @@ def build_optimizer(
     cfg: Config, groups: list[dict], shard_params: list[list[Tensor]], client=None, *, master_weights: bool
 ) -> torch.optim.Optimizer:
     """`groups` are the training's param groups (with any per-group
-    hyperparameters), `shard_params` what the rank updates for each."""
+    hyperparameters), `shard_params` what the rank updates for each;
+    `master_weights`: fp32 masters of 16-bit params (not with
+    ``bf16.bf16_master_weights_and_grads``, whose bf16 params are their own
+    masters, written with stochastic rounding by default)."""
     opt = cfg.optimizer
     if client is not None and opt.type:
         fmt = opt.params.get("state_format", "fp32")
@@ -158,8 +175,16 @@ def build_optimizer(
         if not callable(client):
             raise ConfigError(f"optimizer={client!r}: pass a torch.optim.Optimizer or a callable(params) -> one")
         client = client([{**g, "params": g["params"]} for g in groups])
+    no_master = cfg.bf16.bf16_master_weights_and_grads
     if client is not None:
-        taken = _from_client(client)
+        taken = _from_client(client, no_master)
+        if taken is None and no_master:
+            raise ConfigNotSupported(
+                f"optimizer={type(client).__name__} with bf16.bf16_master_weights_and_grads: fastzero runs it unfused "
+                "over fp32 masters of the shard, and writing bf16 params without a master (stochastic rounding) is "
+                "fastzero's Adam's and AdamW's: pass torch.optim.Adam/AdamW or fastzero.ops.FusedAdam, or set "
+                "bf16.bf16_master_weights_and_grads: false"
+            )
         if taken is None:
             return _client_optimizer(
                 cfg, client, [{**g, "params": p} for g, p in zip(groups, shard_params)], master_weights
@@ -178,13 +203,17 @@ def build_optimizer(
         keys = _GROUP_KEYS.get(name, ("lr", "betas", "eps", "weight_decay"))
         hypers = [{k: g[k] for k in keys if k in g} for g in groups]  # per-group overrides of the config
     offload = cfg.zero_optimization.offload_optimizer
-    check_optimizer(name, cfg.zero_optimization.stage, offload=offload.device != "none")
+    check_optimizer(name, cfg.zero_optimization.stage, offload=offload.device != "none", no_master=no_master)
     cls = _CLASSES[name]
     groups = [{**h, "params": p} for h, p in zip(hypers, shard_params)]
     if offload.device == "cpu":  # OPTIMIZER_RULES allows it for the Adam family only: CPUAdam's math
         if "adam_w_mode" in kwargs:
             kwargs["adamw_mode"] = kwargs.pop("adam_w_mode")
         return OffloadedAdam(
-            groups, pin_memory=offload.pin_memory, sub_group_size=cfg.zero_optimization.sub_group_size, **kwargs
+            groups,
+            master_weights=master_weights,
+            pin_memory=offload.pin_memory,
+            sub_group_size=cfg.zero_optimization.sub_group_size,
+            **kwargs,
         )
     return cls(groups, master_weights=master_weights, **kwargs)

@@ -111,6 +111,8 @@ def config(run: dict) -> dict:
     }
     if run.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if run.get("dtype") == "bf16-nomaster":  # bf16 params without fp32 masters (tests/runtime/test_no_master.py)
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True}
     if run.get("dtype") == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}  # one overflow halves the scale
     return cfg
@@ -223,6 +225,7 @@ def train(run: dict) -> dict:
         "dp_world_size": engine.dp_world_size,
         "bubble": engine.bubble,
         "eval": [evaluated],
+        "master": engine.memory_breakdown()["master"],
     }
 
 
