@@ -143,6 +143,58 @@ def test_quantize_error_is_within_half_a_step_and_reencoding_is_idempotent(code,
     assert torch.equal(again, codes) and torch.equal(scales_again, scales)
 
 
+@pytest.mark.parametrize("code", int8_codes.CODES, ids=lambda c: c.name)
+def test_stochastic_codes_are_unbiased_and_stay_between_the_neighbours(code):
+    """With 16 random bits per element, y's code is one of its two neighbours
+    on the code grid, the upper one with probability y's fraction of the step
+    (to 2^-16): over 4096 draws the mean decoded value is y within 6 standard
+    deviations of two-point draws. Values on the grid never move."""
+    torch.manual_seed(7)
+    table = int8_codes.value(code, torch.arange(code.top + 1)).double()
+    y = torch.cat([torch.rand(300) * torch.exp2(-torch.randint(0, 36, (300,)).float()), table[1:60].float()])
+    draws = 4096
+    total = torch.zeros(y.numel(), dtype=torch.float64)
+    lo_code = torch.searchsorted(table, y.double(), right=True) - 1  # the neighbour at or below
+    for _ in range(draws):
+        c = int8_codes.encode(code, y, torch.randint(0, 1 << 16, y.shape))
+        assert bool(((c == lo_code) | (c == lo_code + 1) | ((c == 1) & (lo_code == 0))).all())
+        total += table[c]
+    lo = table[lo_code]
+    hi = table[(lo_code + 1).clamp_max(code.top)]
+    f = torch.where(hi > lo, (y.double() - lo) / (hi - lo), torch.zeros(()))
+    sigma = (hi - lo) * torch.sqrt(f * (1 - f) / draws) + (hi - lo) * 2.0**-16
+    raised = (~torch.tensor(code.signed)) & (lo_code == 0) & (y > 0)  # exp_avg_sq: never 0 above 0
+    err = (total / draws - y.double()).abs()
+    assert bool((err[~raised] <= 6 * sigma[~raised] + 1e-300).all())
+    on_grid = f == 0
+    assert bool((err[on_grid & ~raised] == 0).all())
+
+
+def test_reencoding_decoded_values_is_idempotent_with_any_random_bits():
+    torch.manual_seed(8)
+    for code in int8_codes.CODES:
+        x = spread(5 * 256 + 3)
+        x = x if code.signed else x.abs()
+        codes, scales = int8_codes.quantize(code, x, 256, torch.randint(0, 1 << 16, x.shape))
+        back = int8_codes.dequantize(code, codes, scales, 256)
+        for _ in range(3):
+            again, scales_again = int8_codes.quantize(code, back, 256, torch.randint(0, 1 << 16, x.shape))
+            assert torch.equal(again, codes) and torch.equal(scales_again, scales)
+
+
+def test_the_seed_keys_the_codes_and_repeats_them(isa, seeded):
+    base = make([4099])
+    runs = {}
+    for seed in (0, 0, 1):
+        t = clone(base)
+        kw = dict(exp_avg_absmax=t[4], exp_avg_sq_absmax=t[5], state_format="int8", seed=seed)
+        cpu_adam_step(*t[:4], step=3, **kw, **HYPER)
+        runs.setdefault(seed, []).append(t)
+    assert torch.equal(runs[0][0][2][0], runs[0][1][2][0])
+    differ = (runs[0][0][3][0] != runs[1][0][3][0]).float().mean()
+    assert 0.05 < differ < 0.95  # many exp_avg_sq codes round the other way
+
+
 def test_block_scales_of_special_blocks():
     """A zero block: scale 0, codes 0. A block holding inf or NaN: scale NaN,
     codes 0 (it decodes to NaN). Subnormal values only: scale 0. A tiny
