@@ -220,7 +220,7 @@ def test_adam_state_formats_resolve(params, resolved):
             r"fp32_optimizer_states = true contradicts optimizer.params.state_format = 'bf16': keep one",
         ),
         (adam(fp32_optimizer_states="no"), r"fp32_optimizer_states = 'no': must be true or false"),
-        (adam(seed=3), r"seed = 3: the seed of stochastic rounding.*set state_format: 'bf16' or 'int8', or leave seed out"),
+        (adam(seed=3), r"seed = 3: the seed of stochastic rounding.*'bf16' or 'int8', or leave seed out"),
         (adam(state_format="bf16", seed=2**32), r"seed = 4294967296: must be <= 4294967295"),
         (adam(state_format="fp32", block_size=256), r"block_size = 256: .*set state_format: 'int8'"),
         (adam(state_format="int8", block_size=100), r"block_size = 100: int8 states take a power of two"),
