@@ -313,7 +313,7 @@ def test_the_switch_turns_on_stochastic_rounding_and_its_seed():
                 bf16=NO_MASTER, optimizer={"type": "AdamW", "params": {"bf16_stochastic_round": False, "seed": 3}}
             ),
             ConfigError,
-            r"seed = 3: the seed of stochastic rounding, which only state_format 'bf16'\s+and 'int8' and bf16_stochastic",
+            r"seed = 3: the seed of stochastic rounding, which only state_format 'bf16'\s+and 'int8' and bf16_",
         ),
         (
             config_with(optimizer={"type": "Lamb", "params": {"bf16_stochastic_round": True}}),
