@@ -3,8 +3,8 @@
 # H200, inside 8 minutes): build the CPU and CUDA ops, run the GPU tests and
 # the Triton tests on the GPU, run the GPU benchmarks. Logs, JSON, a Markdown
 # report and charts go to $OUT (the device tool's folder) or
-# bench/results/gpu-<date>; at most 8 files (charts in one tarball), as the
-# device tool brings back.
+# bench/results/gpu-<date>; at most 8 files (the JSON and the charts in one
+# tarball), as the device tool brings back.
 #
 #   bash bench/gpu_check.sh            # on the GPU machine
 #   bash bench/gpu_check.sh --dry-run  # anywhere: every step that needs no GPU
@@ -63,6 +63,7 @@ out = build.compile_check()
 print({arch: [p.name for p in objs] for arch, objs in out.items()})
 "
   step bench_list "$PY" -m bench.run --list --device cuda
+  step bench_list_states "$PY" -m bench.run --list --device cuda --dtype bf16states,int8states --sizes 1M,64M
 else
   step build_cuda "$PY" -c "
 from fastzero import native
@@ -77,6 +78,10 @@ print('CUDA kernels ready')
     tests/ops/adam/test_bf16_stochastic_params_triton.py
   step bench_gpu "$PY" -m bench.run --kernel fused_adam --kernel fused_lamb --device cuda \
     --json "$OUT/gpu.json" --report "$OUT/gpu.md"
+  # the state formats at 1M and 64M params (the check runs the plain-PyTorch reference on the GPU: int64
+  # temporaries of the params' size)
+  step bench_gpu_states "$PY" -m bench.run --kernel fused_adam --device cuda --dtype bf16states,int8states --sizes 1M,64M \
+    --json "$OUT/gpu_states.json" --report "$OUT/gpu_states.md"
   step bench_onebit "$PY" -m bench.run --kernel onebit --device cuda --quick \
     --json "$OUT/onebit.json" --report "$OUT/onebit.md"
   step bench_quant "$PY" -m bench.run --kernel quant --device cuda --quick \
@@ -87,9 +92,10 @@ print('CUDA kernels ready')
   # ZeRO families: multi-process jobs over Gloo, CPU-only
 fi
 
-# the device tool brings back at most 8 files: the charts travel as one tarball
-if compgen -G "$OUT/*.png" >/dev/null; then
-  (cd "$OUT" && tar cf charts.tar ./*.png && rm -f ./*.png)
+# the device tool brings back at most 8 files: the log and the Markdown reports as they are, the JSON results
+# and the charts in one tarball
+if compgen -G "$OUT/*.png" >/dev/null || compgen -G "$OUT/*.json" >/dev/null; then
+  (cd "$OUT" && tar cf results.tar $(ls ./*.png ./*.json 2>/dev/null) && rm -f ./*.png ./*.json)
 fi
 echo "== summary ($SECONDS s; files in $OUT)" | tee -a "$LOG"
 printf '%s\n' "${summary[@]}" | tee -a "$LOG"

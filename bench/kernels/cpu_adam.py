@@ -84,7 +84,7 @@ def zero_states(fmt: str, params) -> dict[str, list]:
     if fmt == "int8":
         blocks = [int8_codes.blocks_of(p.numel(), int8_codes.DEFAULT_BLOCK) for p in params]
         for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
-            out[key] = [torch.zeros(b) for b in blocks]
+            out[key] = [torch.zeros(b, device=p.device) for b, p in zip(blocks, params)]
     return out
 
 

@@ -6,11 +6,12 @@ bf16 params (fp32 states), beside the GPU's copy bandwidth.
 Bytes per param: fp32 28 (read p, g, m, v; write p, m, v); bf16 params and
 grads with fp32 states 22 (2+2+4+4 read, 2+4+4 written). torch's fused AdamW
 keeps a bf16 param's states in bf16 (14 B): speedups compare whole steps,
-GB/s counts the bytes fastzero's step must move. ``--dtype bf16states`` (CPU):
+GB/s counts the bytes fastzero's step must move. ``--dtype bf16states``:
 fp32 params and grads with bf16 states written by stochastic rounding, 20 B
-(4+4+2+2 read, 4+2+2 written); ``--dtype int8states`` (CPU): int8 block-wise
+(4+4+2+2 read, 4+2+2 written); ``--dtype int8states``: int8 block-wise
 states, 16 B (4+4+1+1 read, 4+1+1 written) and the fp32 block scales (16 B
-per block of 256); each case's first step checked to the bit.
+per block of 256); each case's first step checked to the bit (on a GPU: the
+CUDA and Triton kernels, against the reference run on the GPU).
 """
 
 from __future__ import annotations
@@ -75,10 +76,12 @@ PEER = ("torch_fused", provide_torch)
 def cases(sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
     out = []
     for name in dtypes or (["fp32"] if device == "cpu" else ["fp32", "bf16"]):
-        if name in LOWBIT and device == "cpu":  # low-bit optimizer states, fp32 params and grads
+        if name in LOWBIT:  # low-bit optimizer states, fp32 params and grads
             fmt, states = LOWBIT[name]
             for case_name, tensor_sizes in layouts(f"fp32-{name}", sizes, quick, device)[:-1]:
-                data = functools.cache(functools.partial(OptimData, tensor_sizes, reference.adam_step, HYPER))
+                data = functools.cache(
+                    functools.partial(OptimData, tensor_sizes, reference.adam_step, HYPER, device=device)
+                )
                 what = f"FusedAdam step, fp32 params, {states}, {device}"
                 ours = functools.partial(provide_fastzero_lowbit, fmt=fmt)
                 step_bytes = state_bytes(fmt, sum(tensor_sizes))  # int8: the block scales too

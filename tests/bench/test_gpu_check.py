@@ -29,7 +29,10 @@ def test_gpu_check_dry_run(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for step in ("env", "build_cpu", "compile_cuda", "bench_list"):
+    for step in ("env", "build_cpu", "compile_cuda", "bench_list", "bench_list_states"):
         assert f"ok      {step}" in out.stdout
     assert (tmp_path / "gpu_check.log").is_file()
-    assert "fp32-512M" in (tmp_path / "gpu_check.log").read_text()  # the GPU cases were listed
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "fp32-512M" in log  # the GPU cases were listed
+    assert "fp32-int8states" in log and "fp32-bf16states" in log  # and the state formats'
+    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
