@@ -148,7 +148,7 @@ def test_refusals():
     model = make_model(BF16)
     with pytest.raises(ValueError, match="master_weights=True keeps one"):
         FusedAdam(model.parameters(), bf16_stochastic_round=True, master_weights=True)
-    with pytest.raises(ValueError, match="only state_format='bf16' and\\s+bf16_stochastic_round"):
+    with pytest.raises(ValueError, match="only state_format='bf16', 'int8'\\s+and\\s+bf16_stochastic_round"):
         CPUAdam(model.parameters(), seed=3)
     with pytest.raises(TypeError, match="True or False"):
         CPUAdam(model.parameters(), bf16_stochastic_round="yes")
