@@ -32,7 +32,9 @@ per ``block_size`` elements; the rule of ``fastzero.ops.adam.int8_codes``) take
 the same pinned update in their own kernel: one program per tile of ROWS whole
 blocks of one tensor, one block a row, which it decodes with the old scales,
 updates, and encodes with the new ones (each row's largest magnitude), in one
-pass; the results are the reference's to the bit, codes and scales included.
+pass, the codes rounded stochastically with the bf16 format's random bits (exp_avg
+the low half of each element's hash, exp_avg_sq the high); the results are the
+reference's to the bit, codes and scales included.
 """
 
 from __future__ import annotations
@@ -457,18 +459,15 @@ def _adam_kernel(
 # -- int8 block-wise states (state_format="int8") ---------------------------------------------------
 #
 # The rule is fastzero/ops/adam/int8_codes.py's. Both codes are small floats of y = |x| / scale
-# (BIAS 15: exp_avg, signed; BIAS 31: exp_avg_sq). The encoding takes the rule's integer form,
-# step for step: normal codes by rounding y's own bit pattern at bit 20, subnormal codes by the
-# FPU's one rounding of y + 2^(emin + 20), a normal fp32 whose ulp is the code's step. Chosen over
-# the CPU kernel's form (y scaled into fp32's subnormals, then rounded at bit 20) for two reasons:
-# that form rounds twice in the subnormal codes' range, which can differ from the rule (exp_avg's
-# y = 2^-15 (1 + 2^-3 + 2^-23): the rule's code 5, that form's 4; csrc/cpu gives 4), and it needs
-# subnormals where the rule's form needs none. The decoding is the rule's too: a code's value from
-# its bits (or c 2^(emin - 3), exact), times the scale. What stays is the fp32 arithmetic that the
-# update and the rule state with subnormals (a product such as y or a decoded x may be one): Triton
-# emits it for NVIDIA GPUs without .ftz (add/mul/div.rn/sqrt.rn/min.f32 in sm_90 PTX, checked by
-# tests/ops/test_triton_kernels.py), so GPUs keep subnormals as torch does on the CPU, and so
-# does the interpreter (numpy).
+# (BIAS 15: exp_avg, signed; BIAS 31: exp_avg_sq). The step's encoding rounds stochastically, in the
+# rule's integer form: y as the code with 20 more fraction bits (normal y: its bit pattern rebased;
+# subnormal y: y * 2^(23 - emin), exact, truncated), plus 16 random bits at bit 4, shifted down by
+# 20. The random bits are the bf16 format's (exp_avg the low half of each element's hash, exp_avg_sq
+# the high). The decoding is the rule's too: a code's value from its bits (or c 2^(emin - 3),
+# exact), times the scale. The fp32 arithmetic that the update and the rule state meets subnormals
+# (a product such as y or a decoded x may be one): Triton emits it for NVIDIA GPUs without .ftz
+# (add/mul/div.rn/sqrt.rn/min.f32 in sm_90 PTX, checked by tests/ops/test_triton_kernels.py), so
+# GPUs keep subnormals as torch does on the CPU, and so does the interpreter (numpy).
 
 
 @triton.jit
@@ -495,15 +494,18 @@ def _int8_scale(absmax_bits):
 
 
 @triton.jit
-def _int8_encode(x, inv, BIAS: tl.constexpr, SIGNED: tl.constexpr):
-    """Codes (int32) of fp32 x given inv = 1 / its block's scale (int8_codes.encode, its integer form)."""
+def _int8_encode(x, inv, r, BIAS: tl.constexpr, SIGNED: tl.constexpr):
+    """Codes (int32) of fp32 x given inv = 1 / its block's scale, rounded stochastically with the
+    16-bit integers r (int8_codes.encode with r, its integer form)."""
     xb = x.to(tl.int32, bitcast=True)
     y = tl.minimum((xb & 0x7FFFFFFF).to(tl.float32, bitcast=True) * inv, 1.0)
     yb = y.to(tl.int32, bitcast=True)
-    t = yb - ((127 - BIAS) << 23)
-    normal = (t + 0x7FFFF + ((t >> 20) & 1)) >> 20  # to nearest even; a carry moves into the exponent
-    sub = (y + 2.0 ** (21 - BIAS)).to(tl.int32, bitcast=True) - ((148 - BIAS) << 23)
-    c = tl.where(yb < ((128 - BIAS) << 23), sub, normal)  # y < 2^emin: a subnormal code
+    small = yb < ((128 - BIAS) << 23)  # y < 2^emin: a subnormal code
+    # y with 20 more fraction bits than the code: normal y, its bits rebased (a carry moves into the
+    # exponent); subnormal y, scaled by 2^(23 - emin) (exact) and truncated (0 elsewhere: no overflow)
+    sub = (tl.where(small, y, 0.0) * 2.0 ** (22 + BIAS)).to(tl.int32)
+    t = tl.where(small, sub, yb - ((127 - BIAS) << 23))
+    c = (t + (r << 4)) >> 20  # up with probability the fraction of a step: the mean is y
     if SIGNED:
         c = c | ((xb >> 24) & 0x80)
     else:
@@ -512,13 +514,14 @@ def _int8_encode(x, inv, BIAS: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _int8_store(x, mask, row_mask, codes_ptr, scales_ptr, offs, blocks, BIAS: tl.constexpr, SIGNED: tl.constexpr):
-    """Encodes a tile (one block a row) with its new scales, the blocks' largest |x|."""
+def _int8_store(x, r, mask, row_mask, codes_ptr, scales_ptr, offs, blocks, BIAS: tl.constexpr, SIGNED: tl.constexpr):
+    """Encodes a tile (one block a row) with its new scales, the blocks' largest |x|, rounded
+    stochastically with the 16-bit integers r."""
     absx = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # ordered as |x|; >= 0x7F800000: inf or NaN
     if mask is not None:
         absx = tl.where(mask, absx, 0)  # lanes past the tensor's end are not the block's
     scale, inv, encodes = _int8_scale(tl.max(absx, axis=1))
-    codes = tl.where(encodes[:, None], _int8_encode(x, inv[:, None], BIAS, SIGNED), 0)
+    codes = tl.where(encodes[:, None], _int8_encode(x, inv[:, None], r, BIAS, SIGNED), 0)
     tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + blocks, scale, mask=row_mask)
 
@@ -553,8 +556,9 @@ def _adam_tile_int8(
     MASKED: tl.constexpr,
 ):
     """ROWS blocks of one tensor from element `start`, one a row: decode with the old scales,
-    the pinned update, encode with the new ones. MASKED: the tensor ends inside the tile.
-    SR_PARAMS: bf16 params written with stochastic rounding, keyed by `key`."""
+    the pinned update, encode with the new ones, rounded stochastically with the bits keyed by
+    `key`. MASKED: the tensor ends inside the tile. SR_PARAMS: bf16 params written with
+    stochastic rounding, keyed by `key` too."""
     blocks = start // BLOCK + tl.arange(0, ROWS)
     offs = start + tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask, row_mask, zero = None, None, None
@@ -584,11 +588,12 @@ def _adam_tile_int8(
         ADAMW,
         M_FROM_GRAD,
     )
-    _store_param(p_ptr, offs, p, _sr_hash(offs, key) if SR_PARAMS else 0, mask, SR_PARAMS)
+    h = _sr_hash(offs, key)  # the codes' random bits: exp_avg the low half, exp_avg_sq the high
+    _store_param(p_ptr, offs, p, h, mask, SR_PARAMS)
     if c_ptr is not None:
         tl.store(c_ptr + offs, _to_storage(p, c_ptr.dtype.element_ty), mask=mask)
-    _int8_store(m, mask, row_mask, m_ptr, ms_ptr, offs, blocks, 15, True)
-    _int8_store(v, mask, row_mask, v_ptr, vs_ptr, offs, blocks, 31, False)
+    _int8_store(m, (h & 0xFFFF).to(tl.int32), mask, row_mask, m_ptr, ms_ptr, offs, blocks, 15, True)
+    _int8_store(v, (h >> 16).to(tl.int32), mask, row_mask, v_ptr, vs_ptr, offs, blocks, 31, False)
 
 
 @triton.jit
@@ -625,8 +630,9 @@ def _adam_int8_kernel(
     ROWS: tl.constexpr,
 ):
     """One program per work item: ROWS blocks of BLOCK elements of one tensor (the address table
-    holds the roles of INT8_ROLES: exp_avg, exp_avg_sq are uint8 codes, then their fp32 scales).
-    SR_PARAMS: bf16 params written with stochastic rounding keyed by ``seed_mix`` (fmix32(seed))."""
+    holds the roles of INT8_ROLES: exp_avg, exp_avg_sq are uint8 codes, then their fp32 scales),
+    the codes rounded stochastically keyed by ``seed_mix`` (fmix32(seed)). SR_PARAMS: bf16 params
+    written with stochastic rounding, keyed the same way."""
     item = tl.program_id(0)
     found_inf = tl.load(found_inf_ptr) if HAS_FOUND_INF else 0.0
     if found_inf == 0.0:  # decided on the device: no host sync
@@ -650,7 +656,7 @@ def _adam_int8_kernel(
         bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, BIAS_CORRECTION)
         step_size = (lr / bc1).to(tl.float32)
         bc2_rsqrt = (1.0 / tl.sqrt(bc2)).to(tl.float32)
-        key = _sr_key(step_ptr, seed_mix, start) if SR_PARAMS else 0  # tiles never cross a multiple of 2^32
+        key = _sr_key(step_ptr, seed_mix, start)  # tiles never cross a multiple of 2^32
         # a full tile without masks (so that its loads vectorize), else the tensor's last tile
         if start + ROWS * BLOCK <= n:
             _adam_tile_int8(
@@ -777,7 +783,7 @@ def launch(
         M_FROM_GRAD=m_from_grad,
         BIAS_CORRECTION=bool(hp.bias_correction),
     )
-    seed_mix = _host_fmix32((0 if seed is None else int(seed)) & _M32) if stochastic or bf16_stochastic_round else 0
+    seed_mix = _host_fmix32((0 if seed is None else int(seed)) & _M32)  # fmix32(seed), of the stochastic roundings
 
     if state_format == "int8":
         block = _INT8_DEFAULT_BLOCK if block_size is None else block_size
@@ -873,7 +879,8 @@ def adam_step(
     ``state_format="int8"``: exp_avgs/exp_avg_sqs are uint8 codes and
     ``exp_avg_absmax``/``exp_avg_sq_absmax`` their fp32 scales, one per
     ``block_size`` elements (default 256; fastzero.ops.adam.int8_codes), decoded,
-    updated and encoded again in the one pass. ``bf16_stochastic_round``: bf16 params
+    updated and encoded again in the one pass, rounded stochastically keyed by ``seed``
+    (default 0) as bf16 states are. ``bf16_stochastic_round``: bf16 params
     (kept without an fp32 master) written with stochastic rounding keyed by ``seed``,
     after the pinned update (any state format); params of other dtypes as without it.
     """

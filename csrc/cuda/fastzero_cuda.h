@@ -35,14 +35,16 @@ extern "C" {
 
 #define FZ_API __attribute__((visibility("default")))
 
-/* Bumped whenever an entry point below is added or its signature changes;
- * Python refuses a mismatch. 2: the 1-bit pack and unpack. 3: the optimizer
+/* Bumped whenever an entry point below is added or its signature or the
+ * meaning of its arguments changes; Python refuses a mismatch. 2: the 1-bit pack and unpack. 3: the optimizer
  * hyperparameters as one struct (fz_adam_hyper, fz_lamb_hyper);
  * fz_cuda_clip_factor became fz_cuda_lamb_clip_factor. 5: fz_cuda_adam's
  * sr_seed (bf16 states written with stochastic rounding). 6: fz_cuda_adam_int8.
  * 7: seed, sr_states, sr_params of fz_cuda_adam and seed, sr_params of
- * fz_cuda_adam_int8 (bf16 params written with stochastic rounding). */
-#define FZ_CUDA_ABI_VERSION 7
+ * fz_cuda_adam_int8 (bf16 params written with stochastic rounding). 8:
+ * fz_cuda_adam_int8's codes rounded stochastically, keyed by its seed (the
+ * same arguments, other bits: a library of 7 rounds them to nearest). */
+#define FZ_CUDA_ABI_VERSION 8
 
 enum {
   FZ_OK = 0,
@@ -82,10 +84,11 @@ FZ_API int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void* co
  * fp32 block scales, ceil(numel / block_size) per tensor, block_size a power
  * of two from 64 to 4096. Each block is decoded with its old scales, updated
  * as fz_cuda_adam's stochastic-rounding path updates (the reference's
- * pinned update) and encoded again with new scales, all to the reference's
- * bits. p: fp32/fp16/bf16; g: any; copy (NULL or one per tensor): fp16/bf16,
- * only for fp32 p. hyper, step, grad_scale, found_inf, seed, sr_params: as
- * fz_cuda_adam's. */
+ * pinned update) and encoded again with new scales, the codes rounded
+ * stochastically keyed by (seed, step, element index) as fz_cuda_adam's bf16
+ * states, all to the reference's bits. p: fp32/fp16/bf16; g: any; copy (NULL
+ * or one per tensor): fp16/bf16, only for fp32 p. hyper, step, grad_scale,
+ * found_inf, seed, sr_params: as fz_cuda_adam's. */
 FZ_API int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m, void* const* v,
                              void* const* copy, void* const* m_scales, void* const* v_scales,
                              const int64_t* numel, int n, int p_dtype, int g_dtype, int c_dtype,

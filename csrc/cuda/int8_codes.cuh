@@ -4,6 +4,10 @@
 // y = |x| / scale in [0, 1] (exp_avg: sign bit, 4 exponent and 3 mantissa
 // bits; exp_avg_sq: 5 and 3, and a value above 0 never gets code 0).
 //
+// The optimizer step's codes are rounded stochastically, with 16 random bits
+// per element (the bf16 format's: the kernel draws them); rounding to
+// nearest is only for whole-state conversions, which Python does.
+//
 // __host__ __device__, so that a host program can check these very functions
 // against the Python rule without a GPU (tests/ops/adam/test_int8_states_cuda.py):
 // on the device each operation is an _rn intrinsic (never contracted into an
@@ -49,14 +53,6 @@ FZ_HD float mul_rn(float a, float b) {
 #endif
 }
 
-FZ_HD float add_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
 FZ_HD float div_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fdiv_rn(a, b);
@@ -78,7 +74,7 @@ struct Int8Code {
   static constexpr uint32_t kRebias = uint32_t(127 - Bias) << 23;        // fp32's exponent bias less the code's
   static constexpr uint32_t kMinNormal = uint32_t(128 - Bias) << 23;     // 2^emin
   static constexpr uint32_t kStep = uint32_t(125 - Bias) << 23;          // 2^(emin - 3)
-  static constexpr uint32_t kMagic = uint32_t(148 - Bias) << 23;         // 2^(emin + 20): its ulp is kStep
+  static constexpr uint32_t kSubScale = uint32_t(149 + Bias) << 23;      // 2^(23 - emin): steps * 2^20
   static constexpr uint32_t kMagnitude = Signed ? 0x7fu : 0xffu;
 
   // x from code c (sign in bit 7 if Signed) and the block's scale s:
@@ -92,29 +88,22 @@ struct Int8Code {
   }
 
   // The code of x, given k = 1 / scale of a block that encodes (a normal,
-  // finite scale, so y below is finite). Exact, as the rule states it:
+  // finite scale, so y below is finite), rounded stochastically with the
+  // 16-bit integer r (< 2^16). Exact, as the rule states it:
   //  - y = min(|x| * k, 1): one rounded multiply, as the reference's.
-  //  - y >= 2^emin: y's bits less the exponent rebias are the code with 20
-  //    more mantissa bits; the integer rounding at bit 20 is round to
-  //    nearest even (a carry moves into the exponent). Integer arithmetic.
-  //  - y < 2^emin: y + 2^(emin + 20) lies in [2^(emin + 20), 2^(emin + 21)),
-  //    whose ulp is the subnormal step, so the one IEEE addition rounds y to
-  //    a multiple of the step, to nearest even, and its mantissa bits are the
-  //    code (at most 8, which is 2^emin's code). Going through an fp32
-  //    subnormal instead (y * 2^(bias - 127), the CPU kernel's way) rounds
-  //    twice where y has a bit below the subnormal grid (y in [2^(emin-1),
-  //    2^emin)), and a tie made by the first rounding can then go the other way.
-  static FZ_HD uint32_t encode(float x, float k) {
+  //  - t, y as the code with 20 more fraction bits: y >= 2^emin, y's bits
+  //    less the exponent rebias (integer arithmetic); y < 2^emin, y * 2^(23 -
+  //    emin), exact (a power of two; y may be an fp32 subnormal) and below
+  //    2^23, truncated.
+  //  - (t + 16 r) >> 20: the code above with probability t's fraction of a
+  //    step (to 2^-16), so the mean is y; a carry moves into the exponent,
+  //    and y = 1 stays the top code (16 r < 2^20).
+  static FZ_HD uint32_t encode(float x, float k, uint32_t r) {
     const uint32_t xb = bits_of(x);
     const float p = mul_rn(f32_of(xb & kAbsMask), k);
     const uint32_t yb = bits_of(p) < 0x3f800000u ? bits_of(p) : 0x3f800000u;  // min(y, 1): both >= 0
-    uint32_t c;
-    if (yb < kMinNormal) {
-      c = bits_of(add_rn(f32_of(yb), f32_of(kMagic))) - kMagic;
-    } else {
-      const uint32_t t = yb - kRebias;
-      c = (t + 0x7ffffu + ((t >> 20) & 1u)) >> 20;
-    }
+    const uint32_t t = yb < kMinNormal ? uint32_t(mul_rn(f32_of(yb), f32_of(kSubScale))) : yb - kRebias;
+    const uint32_t c = (t + (r << 4)) >> 20;
     if (Signed) return c | ((xb >> 24) & 0x80u);
     return c == 0 && yb != 0 ? 1u : c;  // a value above 0 never reads as a zero square
   }
@@ -138,8 +127,8 @@ FZ_HD Scale scale_of(uint32_t absmax_bits) {
 }
 
 template <class Code>
-FZ_HD uint32_t encode(float x, const Scale& s) {
-  return s.encodes ? Code::encode(x, s.inv) : 0u;
+FZ_HD uint32_t encode(float x, const Scale& s, uint32_t r) {
+  return s.encodes ? Code::encode(x, s.inv, r) : 0u;
 }
 
 }  // namespace int8

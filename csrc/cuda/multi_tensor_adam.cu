@@ -7,7 +7,8 @@
 // on its own, with the _rn intrinsics nvcc never contracts) and its random
 // bits, so they are the reference's to the bit. int8 block-wise states
 // (state_format="int8") take the same pinned update between decoding and
-// encoding (int8_codes.cuh), to the bit as well. bf16 params written with
+// encoding (int8_codes.cuh), the codes rounded stochastically with the same
+// random bits as bf16 states, to the bit as well. bf16 params written with
 // stochastic rounding (SRP: bf16_stochastic_round) take the pinned update
 // too, whatever the states, rounded with the low 16 bits of a second hash of
 // each element's hash (reference sr_param_bits).
@@ -27,7 +28,7 @@ struct AdamArgs {
   const float* step;
   const float* grad_scale;  // nullptr: 1
   const float* found_inf;   // nullptr: never skip
-  uint32_t seed;            // SR and SRP kernels: the seed of stochastic rounding
+  uint32_t seed;            // SR, SRP and int8 kernels: the seed of stochastic rounding
 };
 static_assert(sizeof(AdamArgs) < 300, "beside a chunk table, within the 4 KiB of kernel parameters (common.cuh)");
 
@@ -299,8 +300,9 @@ int dispatch_srp(const char* fn, int g_dtype, int s_dtype, int c_dtype, bool sr_
 // its copy, then its group takes the max of |m| and |v| as unsigned bit
 // patterns (NaN and inf rank above every finite value, as the rule needs):
 // butterfly shuffles within a warp, shared memory across a group's warps.
-// Every thread then encodes with the new scales and the group's first
-// thread writes them. The old scale is read before the group's reduction,
+// Every thread then encodes with the new scales, rounding stochastically
+// with its elements' hashes (the bf16 format's bits), and the group's first
+// thread writes the scales. The old scale is read before the group's reduction,
 // which waits for every thread of the group, so its overwrite races nothing.
 
 constexpr int kInt8Lanes = 8;  // 8 code bytes per thread (one 8-byte access), 4096 elements per pass
@@ -401,7 +403,9 @@ __device__ __forceinline__ void store_codes(const uint32_t (&c)[kInt8Lanes], uin
 
 // Lists: 0 params, 1 grads, 2 exp_avg codes, 3 exp_avg_sq codes, 4 copies,
 // 5 exp_avg scales, 6 exp_avg_sq scales (one per block of the whole tensor).
-// SRP: P is bf16, written by stochastic rounding.
+// The codes are rounded stochastically keyed by each element's index in its
+// tensor (a chunk never crosses a multiple of 2^32: one key per chunk).
+// SRP: P is bf16, written by stochastic rounding the same way.
 template <typename P, typename G, typename C, bool SRP>
 __global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7> meta, AdamArgs args, int block) {
   using int8::ExpAvgCode;
@@ -423,7 +427,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7>
   const bool aligned = aligned16(p) && aligned16(g) && aligned16(copy) && reinterpret_cast<uintptr_t>(m) % 8 == 0 &&
                        reinterpret_cast<uintptr_t>(v) % 8 == 0;
   const int group = block / kInt8Lanes;
-  const uint32_t key = SRP ? sr_key(k, c.offset) : 0u;
+  const uint32_t key = sr_key(k, c.offset);
   for (int base = 0; base < c.n; base += kBlockSize * kInt8Lanes) {  // the same passes in every thread
     const int first = base + int(threadIdx.x) * kInt8Lanes;
     const int valid = min(max(c.n - first, 0), kInt8Lanes);
@@ -458,8 +462,10 @@ __global__ void __launch_bounds__(kBlockSize) adam_int8_kernel(TensorListMeta<7>
     const int8::Scale ms = int8::scale_of(m_max), vs = int8::scale_of(v_max);
 #pragma unroll
     for (int j = 0; j < kInt8Lanes; ++j) {
-      mc[j] = int8::encode<ExpAvgCode>(mx[j], ms);
-      vc[j] = int8::encode<ExpAvgSqCode>(vx[j], vs);
+      // each element's hash, from its index in its tensor (drawn here, not held across the reduction)
+      const uint32_t h = fmix32(uint32_t(c.offset + first + j) ^ key);
+      mc[j] = int8::encode<ExpAvgCode>(mx[j], ms, sr_bits<SrBits::kExpAvg>(h));
+      vc[j] = int8::encode<ExpAvgSqCode>(vx[j], vs, sr_bits<SrBits::kExpAvgSq>(h));
     }
     store_codes(mc, m, first, valid, vec);
     store_codes(vc, v, first, valid, vec);

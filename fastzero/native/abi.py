@@ -30,7 +30,7 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 CPU_ABI_VERSION = 5
 
 # FZ_CUDA_ABI_VERSION: a library speaking another version is refused.
-CUDA_ABI_VERSION = 7
+CUDA_ABI_VERSION = 8
 
 _VP, _I, _I64, _D, _U32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_uint32
 _PTRS, _I64S = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)

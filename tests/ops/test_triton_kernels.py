@@ -340,7 +340,8 @@ for s_dt, stochastic in ((tl.float32, False), (tl.bfloat16, True)):
     assert "ld.global.v4" in s, "SR params: loads not vectorized"
     out.append(s)
 # int8 states: the pinned update too, and fp32 subnormals kept (no .ftz on fp32 arithmetic: the
-# decode's product and y = |x| / scale may be subnormal); codes load 16 to a thread in full tiles
+# decode's product and y = |x| / scale may be subnormal, and y * 2^(23 - emin) must stay exact);
+# the subnormal codes' fraction truncated (cvt.rzi); codes load 16 to a thread in full tiles
 # (and bf16 params by stochastic rounding: SR_PARAMS)
 for block, p_dt, c_dt, srp in ((256, tl.float32, tl.bfloat16, False), (4096, tl.bfloat16, None, False),
                                (256, tl.bfloat16, None, True)):
@@ -349,6 +350,7 @@ for block, p_dt, c_dt, srp in ((256, tl.float32, tl.bfloat16, False), (4096, tl.
             ADAMW=True, M_FROM_GRAD=False, BIAS_CORRECTION=True, SR_PARAMS=srp, BLOCK=block, ROWS=rows)
     assert "fma.rn.f32" not in s, "a multiply-add in the int8 kernel's pinned update"
     assert not re.search(r"(add|sub|mul|div|sqrt|min|max|neg)(\\.rn)?\\.ftz\\.f32", s), "fp32 flushed to zero"
+    assert "cvt.rzi.s32.f32" in s and not re.search(r"cvt(\\.\\w+)*\\.ftz", s), "int8 codes: truncation flushed"
     assert "ld.global.v4.b32" in s, "int8 kernel: loads not vectorized"
     out.append(s)
 for i in (0, 1, 3, 5, 7):

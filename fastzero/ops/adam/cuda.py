@@ -1,7 +1,8 @@
 """The CUDA backend of Adam (csrc/cuda/multi_tensor_adam.cu): one pass over
 memory per dtype combination, per-step scalars read on the device; int8
-block-wise states through their own entry (fz_cuda_adam_int8); bf16 params
-written with stochastic rounding (bf16_stochastic_round) through either."""
+block-wise states through their own entry (fz_cuda_adam_int8, its codes
+rounded stochastically keyed by the seed); bf16 params written with
+stochastic rounding (bf16_stochastic_round) through either."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def adam_step(
     ``state_format="int8"``: exp_avgs and exp_avg_sqs are uint8 codes and
     ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` their fp32 block scales (one
     per ``block_size`` elements, default 256, a power of two from 64 to
-    4096), decoded, updated and encoded again in one pass, the reference's
-    bits (fastzero.ops.adam.int8_codes). ``bf16_stochastic_round``: bf16
+    4096), decoded, updated and encoded again in one pass, the codes rounded
+    stochastically keyed by ``seed`` (default 0) as bf16 states are, the
+    reference's bits (fastzero.ops.adam.int8_codes). ``bf16_stochastic_round``: bf16
     params (kept without an fp32 master) written with stochastic rounding
     keyed by ``seed``, after the pinned update (any state format), the
     reference's bits; params of other dtypes as without it.
@@ -179,8 +181,9 @@ def _launch_int8(
     seed,
     sr_params,
 ):
-    """int8 states: one fz_cuda_adam_int8 call per (param, grad, copy) dtype combination;
-    ``sr_params(p_dtype)``: whether params of that dtype are written with stochastic rounding."""
+    """int8 states: one fz_cuda_adam_int8 call per (param, grad, copy) dtype combination, the
+    codes rounded stochastically keyed by ``seed``; ``sr_params(p_dtype)``: whether params of
+    that dtype are written with stochastic rounding too."""
     device = params[0].device
     lib = cuda_lib("adam_step")
     hyper = hp.c_struct()

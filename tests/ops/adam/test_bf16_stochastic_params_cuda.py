@@ -129,7 +129,7 @@ def fake_lists(p_dtype=BF16, s_dtype=F32, n=5):
         (dict(bf16_stochastic_round="yes"), TypeError, "bf16_stochastic_round must be True or False"),
         (dict(bf16_stochastic_round=True, seed=1 << 32), ValueError, "seed must be an int in"),
         (dict(bf16_stochastic_round=True, seed=-1), ValueError, "seed must be an int in"),
-        (dict(seed=3), ValueError, "only state_format='bf16' and\\s+bf16_stochastic_round"),
+        (dict(seed=3), ValueError, "only state_format='bf16', 'int8'\\s+and\\s+bf16_stochastic_round"),
     ],
 )
 def test_python_checks_refuse_bad_input(kw, error, match):
@@ -318,7 +318,7 @@ def test_other_param_dtypes_are_written_as_without_it(fmt):
     kw = dict(step=torch.tensor(1.0, device="cuda"), **format_args(fmt, lists, 256), **HYPER)
     adam_cuda.adam_step(*lists[:4], bf16_stochastic_round=True, seed=3, **kw)
     kw.update(format_args(fmt, plain, 256))
-    adam_cuda.adam_step(*plain[:4], seed=3 if fmt == "bf16" else None, **kw)
+    adam_cuda.adam_step(*plain[:4], seed=3 if fmt in ("bf16", "int8") else None, **kw)  # the states round with it
     torch.cuda.synchronize()
     for i in (0, 2):
         same_bits(lists[0][i].cpu(), plain[0][i].cpu(), f"param {i} ({lists[0][i].dtype})")

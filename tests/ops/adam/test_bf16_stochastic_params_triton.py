@@ -68,7 +68,7 @@ def kernel_step(fmt, lists, step, hp, block=256, grad_scale=None, found_inf=0.0,
         hp=hp,
         grad_scale=None if grad_scale is None else torch.tensor(grad_scale, device=DEVICE),
         found_inf=None if found_inf is None else torch.tensor(found_inf, device=DEVICE),
-        seed=seed if sr or fmt == "bf16" else None,
+        seed=seed if sr or fmt in ("bf16", "int8") else None,
         bf16_stochastic_round=sr,
         **format_args(fmt, lists, block),
     )
@@ -143,7 +143,7 @@ def test_the_params_are_rounded_stochastically():
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
 def test_other_param_dtypes_are_written_as_without_it(fmt):
     """fp32 and fp16 params beside bf16 ones in one call: written as by a
-    call without bf16_stochastic_round (bf16 states round with the seed either way)."""
+    call without bf16_stochastic_round (bf16 and int8 states round with the seed either way)."""
     sizes = [257, 1030, 3000]
     lists = make(fmt, sizes, grad_dtypes=(F32,))
     lists[0][0] = torch.randn(sizes[0], device=DEVICE)
@@ -191,5 +191,5 @@ def test_bad_arguments_are_refused():
         adam.adam_step(*lists[:4], bf16_stochastic_round="yes", **kw)
     with pytest.raises(ValueError, match="seed must be an int in"):
         adam.adam_step(*lists[:4], bf16_stochastic_round=True, seed=2**32, **kw)
-    with pytest.raises(ValueError, match="only state_format='bf16' and\\s+bf16_stochastic_round"):
+    with pytest.raises(ValueError, match="only state_format='bf16', 'int8'\\s+and\\s+bf16_stochastic_round"):
         adam.adam_step(*lists[:4], seed=3, **kw)

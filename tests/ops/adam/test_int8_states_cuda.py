@@ -3,15 +3,17 @@ fz_cuda_adam_int8 in csrc/cuda/multi_tensor_adam.cu, the codes in
 csrc/cuda/int8_codes.cuh) against the rule (fastzero/ops/adam/int8_codes.py)
 and the reference step, to the bit.
 
-Without a GPU: int8_codes.cuh's encode and decode, the very functions the
-kernel calls, built for the host and checked against the Python rule on every
-code, on ties, subnormal codes and special blocks; the C entry, linked and
-loaded without a driver, refusing bad arguments with codes and messages; the
-Python side refusing bad input before any pointer crosses (fake CUDA
-tensors). tests/ops/test_cuda_backend.py compiles every source for sm_80 and
+Without a GPU: int8_codes.cuh's encode (stochastic rounding, the step's) and
+decode, the very functions the kernel calls, built for the host and checked
+against the Python rule on every code, its midpoints and neighbours with the
+extreme and random 16-bit integers, on subnormal codes and special blocks;
+the C entry, linked and loaded without a driver, refusing bad arguments with
+codes and messages; the Python side refusing bad input before any pointer
+crosses (fake CUDA tensors). tests/ops/test_cuda_backend.py compiles every source for sm_80 and
 sm_90 with warnings as errors.
 On a GPU (``pytest -m gpu``): params, codes, scales and copies equal the
-reference's (run on CPU copies) after several steps with fresh random grads.
+reference's (run on CPU copies) after several steps with fresh random grads,
+the codes rounded with the bits of the seed.
 The per-step constants come from fp64 on the device (libdevice's pow) and on
 the host (glibc's): they agree after rounding to fp32 except with a
 probability of about 1e-9 per constant, which these fixed hyperparameters and
@@ -57,7 +59,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 HOST_CODES = r"""
 // The kernel's encode/decode, run on the host: a block's scale from the
-// unsigned max of its |x| bits, then each element's code, as adam_int8_kernel.
+// unsigned max of its |x| bits, then each element's code rounded with its
+// 16-bit integer r, as adam_int8_kernel.
 #include <algorithm>
 
 #include "int8_codes.cuh"
@@ -65,13 +68,13 @@ HOST_CODES = r"""
 using namespace fz::int8;
 
 template <class Code>
-void quantize(const float* x, int64_t n, int64_t block, uint8_t* codes, float* scales) {
+void quantize(const float* x, const int32_t* r, int64_t n, int64_t block, uint8_t* codes, float* scales) {
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     const int64_t len = std::min(block, n - b0);
     uint32_t absmax = 0;
     for (int64_t i = 0; i < len; ++i) absmax = std::max(absmax, bits_of(x[b0 + i]) & kAbsMask);
     const Scale s = scale_of(absmax);
-    for (int64_t i = 0; i < len; ++i) codes[b0 + i] = uint8_t(encode<Code>(x[b0 + i], s));
+    for (int64_t i = 0; i < len; ++i) codes[b0 + i] = uint8_t(encode<Code>(x[b0 + i], s, uint32_t(r[b0 + i])));
     scales[b0 / block] = s.scale;
   }
 }
@@ -82,8 +85,9 @@ void dequantize(const uint8_t* codes, const float* scales, int64_t n, int64_t bl
 }
 
 extern "C" {
-void fzt_quantize(int sq, const float* x, int64_t n, int64_t block, uint8_t* codes, float* scales) {
-  sq ? quantize<ExpAvgSqCode>(x, n, block, codes, scales) : quantize<ExpAvgCode>(x, n, block, codes, scales);
+void fzt_quantize(int sq, const float* x, const int32_t* r, int64_t n, int64_t block, uint8_t* codes,
+                  float* scales) {
+  sq ? quantize<ExpAvgSqCode>(x, r, n, block, codes, scales) : quantize<ExpAvgCode>(x, r, n, block, codes, scales);
 }
 void fzt_dequantize(int sq, const uint8_t* codes, const float* scales, int64_t n, int64_t block, float* out) {
   sq ? dequantize<ExpAvgSqCode>(codes, scales, n, block, out) : dequantize<ExpAvgCode>(codes, scales, n, block, out);
@@ -106,13 +110,14 @@ def host_codes(tmp_path_factory):
     return ctypes.CDLL(str(lib))
 
 
-def host_quantize(lib, code, x, block):
-    x = x.float().contiguous()
+def host_quantize(lib, code, x, block, r):
+    x, r = x.float().contiguous(), r.to(torch.int32).contiguous()
+    assert r.numel() == x.numel()
     codes = torch.zeros(x.numel(), dtype=U8)
     scales = torch.zeros(ic.blocks_of(x.numel(), block))
     lib.fzt_quantize(
-        int(not code.signed), ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.numel()), ctypes.c_int64(block),
-        ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
+        int(not code.signed), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(r.data_ptr()), ctypes.c_int64(x.numel()),
+        ctypes.c_int64(block), ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
     )  # fmt: skip
     return codes, scales
 
@@ -132,9 +137,10 @@ def code_values(code) -> torch.Tensor:
 
 
 def tie_cases(code) -> torch.Tensor:
-    """y in [0, 1] at and next to every midpoint between two codes, and next
-    to every code: where rounding decides (the top subnormal binade holds y
-    one bit finer than the subnormal grid: a double rounding would show)."""
+    """y in [0, 1] on every code, at every midpoint between two codes, and next
+    to both: where rounding decides (a value on a code never moves, a midpoint
+    moves up for r >= 2^15; the top subnormal binade holds y one bit finer
+    than the subnormal grid)."""
     vals = code_values(code)
     mids = (vals[:-1].double() + vals[1:].double()).div(2).float()  # exact: one bit more than a code
     pts = torch.cat([vals, mids])
@@ -167,9 +173,17 @@ def special_blocks(block: int) -> torch.Tensor:
     return torch.cat(blocks)
 
 
-def check_quantize(lib, code, x, block):
-    got = host_quantize(lib, code, x, block)
-    want = ic.quantize(code, x, block)
+# 16-bit integers at the ends and the middle of their range: truncation (0), all but a hair up (0xFFFF)
+EDGE_R = (0, 1, 0x7FFF, 0x8000, 0xFFFF)
+
+
+def random_r(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 1 << 16, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def check_quantize(lib, code, x, block, r):
+    got = host_quantize(lib, code, x, block, r)
+    want = ic.quantize(code, x, block, r)
     same_bits(got[1], want[1], f"{code.name} scales (block {block})")
     same_bits(got[0], want[0], f"{code.name} codes (block {block})")
 
@@ -184,38 +198,34 @@ def test_host_decode_is_the_rule_on_every_code(host_codes, code):
 
 
 @pytest.mark.parametrize("code", ic.CODES, ids=lambda c: c.name)
-def test_host_encode_rounds_ties_as_the_rule(host_codes, code):
+def test_host_encode_of_every_code_its_midpoints_and_neighbours(host_codes, code):
+    """Every code byte's value, the midpoints and their fp32 neighbours, with
+    each r of EDGE_R for all of them and then random r."""
     ys = tie_cases(code)
     block = 4096
-    for scale in (1.0, 2.0**-120, 0.37):  # the block's max (ys holds 1); a power of two keeps the ties exact
+    for scale in (1.0, 2.0**-120, 0.37):  # the block's max (ys holds 1); a power of two keeps y exact
         x = ys * scale
         if code.signed:
             x[1::2] *= -1
-        check_quantize(host_codes, code, x, block)
+        for r in EDGE_R:
+            check_quantize(host_codes, code, x, block, torch.full_like(x, r, dtype=torch.int64))
+        for seed in range(4):
+            check_quantize(host_codes, code, x, block, random_r(x.numel(), seed))
 
 
 @pytest.mark.parametrize("code", ic.CODES, ids=lambda c: c.name)
 @pytest.mark.parametrize("block", [64, 256, 4096])
 def test_host_encode_of_special_blocks(host_codes, code, block):
-    check_quantize(host_codes, code, special_blocks(block), block)
+    x = special_blocks(block)
+    for r in (torch.zeros(x.numel(), dtype=torch.int64), random_r(x.numel(), block)):
+        check_quantize(host_codes, code, x, block, r)
 
 
 @pytest.mark.parametrize("code", ic.CODES, ids=lambda c: c.name)
 def test_host_encode_of_random_states(host_codes, code):
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(100003, generator=gen) * torch.exp2(-30 * torch.rand(100003, generator=gen))
-    check_quantize(host_codes, code, x if code.signed else x * x, 256)
-
-
-def test_the_cpu_kernels_way_would_round_twice():
-    """Why the encode adds 2^(emin + 20) where the CPU kernel goes through an
-    fp32 subnormal: y = 4.5 steps plus half an fp32 ulp is code 5 by the rule;
-    y * 2^(bias - 127) rounds to the subnormal 4.5 steps (a tie, to even),
-    whose rounding at bit 20 then gives 4."""
-    y = torch.tensor([9 * 2.0**-18 + 2.0**-38])
-    assert ic.encode(ic.EXP_AVG, y).item() == 5
-    t = (y * 2.0 ** (15 - 127)).view(torch.int32).item()
-    assert (t + 0x7FFFF + ((t >> 20) & 1)) >> 20 == 4
+    check_quantize(host_codes, code, x if code.signed else x * x, 256, random_r(x.numel(), 12))
 
 
 def test_cuda_build_keeps_subnormals():
@@ -338,7 +348,8 @@ def fake_step(lists, **kw):
         ({}, dict(block_size=True), ValueError, "a power of two from 64 to 4096"),
         ({}, dict(exp_avg_absmax=None), ValueError, "state_format='int8' needs exp_avg_absmax"),
         ({}, dict(state_format="bf16"), ValueError, "exp_avg_absmax / exp_avg_sq_absmax are the block scales"),
-        ({}, dict(seed=3), ValueError, "seed=3 is the seed of stochastic rounding"),
+        ({}, dict(seed=-1), ValueError, "seed must be an int in"),
+        ({}, dict(seed=1 << 32), ValueError, "seed must be an int in"),
         (dict(devices=("cuda:0",) * 6 + ("cuda:1",)), {}, ValueError, r"exp_avg_sq_absmax\[0\] is on cuda:1"),
         (dict(devices=("cuda:0", "cuda:1") + ("cuda:0",) * 5), {}, ValueError, r"grads\[0\] is on cuda:1 but params"),
         (
@@ -375,8 +386,8 @@ def test_good_input_passes_every_check_and_reaches_the_launch(monkeypatch):
     seen = {}
     monkeypatch.setattr(adam_cuda, "launch", lambda *a, **kw: seen.update(kw))
     lists = fake_lists(block=64)
-    fake_step(lists, block_size=64)
-    assert seen["state_format"] == "int8" and seen["block_size"] == 64
+    fake_step(lists, block_size=64, seed=9)
+    assert seen["state_format"] == "int8" and seen["block_size"] == 64 and seen["seed"] == 9
     assert seen["exp_avg_absmax"] is lists[4] and seen["exp_avg_sq_absmax"] is lists[5]
 
 
@@ -426,7 +437,7 @@ def to_cuda(lists, unaligned=False):
     return [None if ts is None else [move(x) for x in ts] for ts in lists]
 
 
-def step_both(kernel, ref, step, block, grad_scale=None, found_inf=None, **hyper):
+def step_both(kernel, ref, step, block, grad_scale=None, found_inf=None, seed=None, **hyper):
     scale = None if grad_scale is None else torch.tensor(grad_scale, device="cuda")
     adam_cuda.adam_step(
         *kernel[:4],
@@ -438,6 +449,7 @@ def step_both(kernel, ref, step, block, grad_scale=None, found_inf=None, **hyper
         exp_avg_absmax=kernel[5],
         exp_avg_sq_absmax=kernel[6],
         block_size=block,
+        seed=seed,
         **hyper,
     )
     reference.adam_step(
@@ -449,6 +461,7 @@ def step_both(kernel, ref, step, block, grad_scale=None, found_inf=None, **hyper
         exp_avg_absmax=ref[5],
         exp_avg_sq_absmax=ref[6],
         block_size=block,
+        seed=seed,
         **hyper,
     )
 
@@ -461,7 +474,7 @@ def check(kernel, ref):
             same_bits(k.cpu(), r, f"{name} {i} (numel {k.numel()}, {k.dtype})")
 
 
-def run(sizes, combo, block, *, steps=STEPS, grads=torch.randn, unaligned=False, grad_scale=None, **hyper):
+def run(sizes, combo, block, *, steps=STEPS, grads=torch.randn, unaligned=False, grad_scale=None, seed=None, **hyper):
     ref = make(sizes, combo, block, grads=grads)
     kernel = to_cuda(ref, unaligned)
     for step in range(1, steps + 1):
@@ -469,7 +482,7 @@ def run(sizes, combo, block, *, steps=STEPS, grads=torch.randn, unaligned=False,
             for k, r in zip(kernel[1], ref[1]):
                 r.copy_(grads(r.numel()).to(r.dtype))
                 k.copy_(r)
-        step_both(kernel, ref, step, block, grad_scale, **hyper)
+        step_both(kernel, ref, step, block, grad_scale, seed=seed, **hyper)
     check(kernel, ref)
     return kernel
 
@@ -491,7 +504,7 @@ def test_every_combo_size_and_block_to_the_bit(combo, block):
 def test_modes_and_grad_scale(adamw_mode, bias_correction, grad_scale):
     torch.manual_seed(2)
     hyper = dict(HYPER, adamw_mode=adamw_mode, bias_correction=bias_correction)
-    run([17, 4099, 70001], (F32, BF16, BF16), 256, grad_scale=grad_scale, **hyper)
+    run([17, 4099, 70001], (F32, BF16, BF16), 256, grad_scale=grad_scale, seed=2**32 - 1, **hyper)
 
 
 @gpu
@@ -499,7 +512,7 @@ def test_modes_and_grad_scale(adamw_mode, bias_correction, grad_scale):
 @pytest.mark.parametrize("block", [64, 4096])
 def test_wide_grads_take_every_subnormal_code(block):
     torch.manual_seed(3)
-    kernel = run([5000, 70001], (F32, F32, None), block, grads=wide, **HYPER)
+    kernel = run([5000, 70001], (F32, F32, None), block, grads=wide, seed=17, **HYPER)
     for codes in (kernel[2][1] & 0x7F, kernel[3][1]):
         assert set(range(8)) <= set(codes.unique().tolist())  # codes 0-7: every subnormal one
 

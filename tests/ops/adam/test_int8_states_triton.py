@@ -1,8 +1,9 @@
 """The Triton Adam kernel with int8 block-wise states (state_format="int8")
-against the reference, to the bit: params, copies, codes and block scales.
-Without a GPU it runs on CPU tensors under Triton's interpreter
-(TRITON_INTERPRET=1, set by tests/conftest.py), the same multi-tensor code path
-a GPU runs."""
+against the reference, to the bit: params, copies, codes (rounded
+stochastically, keyed by the seed) and block scales; and the codes' mean over
+seeds against the fp32 moments (unbiased). Without a GPU it runs on CPU
+tensors under Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py), the same multi-tensor code path a GPU runs."""
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def clone(lists):
     return [None if t is None else [x.cpu().clone() for x in t] for t in lists]
 
 
-def kernel_step(lists, step, hp, block, grad_scale=None, found_inf=0.0):
+def kernel_step(lists, step, hp, block, grad_scale=None, found_inf=0.0, seed=None):
     p, g, m, v, c, ms, vs = lists
     adam.adam_step(
         p,
@@ -75,10 +76,11 @@ def kernel_step(lists, step, hp, block, grad_scale=None, found_inf=0.0):
         exp_avg_absmax=ms,
         exp_avg_sq_absmax=vs,
         block_size=block,
+        seed=seed,
     )
 
 
-def reference_step(lists, step, hp, block, grad_scale=None):
+def reference_step(lists, step, hp, block, grad_scale=None, seed=None):
     p, g, m, v, c, ms, vs = lists
     reference.adam_step(
         p,
@@ -93,6 +95,7 @@ def reference_step(lists, step, hp, block, grad_scale=None):
         exp_avg_absmax=ms,
         exp_avg_sq_absmax=vs,
         block_size=block,
+        seed=seed,
     )
 
 
@@ -127,9 +130,12 @@ def assert_same(kernel, ref):
                 assert_same_bits(k.cpu(), r, what)
 
 
-def run(combos, block, sizes=SIZES, steps=4, grad_scale=None, found_inf=0.0, wide=False, grads=None, **hyper):
+def run(
+    combos, block, sizes=SIZES, steps=4, grad_scale=None, found_inf=0.0, wide=False, grads=None, seed=None, **hyper
+):
     """`steps` steps of the kernel and the reference from the same lists, with
-    fresh random grads each step (``grads``: a function of n that draws them)."""
+    fresh random grads each step (``grads``: a function of n that draws them),
+    the codes rounded with the bits of ``seed`` (None: the default, 0)."""
     draw = grads or torch.randn
     kernel = make(sizes, combos, block, wide)
     ref = clone(kernel)
@@ -138,8 +144,8 @@ def run(combos, block, sizes=SIZES, steps=4, grad_scale=None, found_inf=0.0, wid
         for a, b in zip(kernel[1], ref[1]):
             a.copy_(draw(a.numel()).to(a.dtype))
             b.copy_(a.cpu())
-        kernel_step(kernel, step, hp, block, grad_scale, found_inf)
-        reference_step(ref, step, hp, block, grad_scale)
+        kernel_step(kernel, step, hp, block, grad_scale, found_inf, seed)
+        reference_step(ref, step, hp, block, grad_scale, seed)
     assert_same(kernel, ref)
     return kernel
 
@@ -149,9 +155,9 @@ def test_mixed_dtypes_ragged_sizes_to_the_bit(block):
     run(MIXED, block, sizes=[0, *SIZES], **HYPER)
 
 
-@pytest.mark.parametrize("block", [128, 4096])
-def test_fp32_masters_with_copies_to_the_bit(block):
-    run(WITH_COPY, block, sizes=SIZES[:6], **HYPER)
+@pytest.mark.parametrize("block, seed", [(128, 7), (4096, 2**32 - 1)])
+def test_fp32_masters_with_copies_to_the_bit(block, seed):
+    run(WITH_COPY, block, sizes=SIZES[:6], seed=seed, **HYPER)
 
 
 @pytest.mark.parametrize("adamw_mode", [True, False])
@@ -176,29 +182,113 @@ def test_values_spanning_the_subnormal_codes_to_the_bit(block):
     assert (codes == 0).any() and (sq_codes == 1).any()
 
 
-def test_block_max_fractions_and_codes_that_round_once():
-    """beta1 = beta2 = 0 makes m = g and v = g * g exactly: elements 2^-20 and 2^-40 of
-    their block's largest, and ones a hair above a rounding midpoint of the subnormal
-    codes, where rounding twice (through fp32's subnormals, then to the code) goes down."""
+@pytest.mark.parametrize("seed", [0, 99])
+def test_codes_are_the_rules_stochastic_rounding(seed):
+    """beta1 = beta2 = 0 makes m = g and v = g * g exactly, so the codes are the
+    rule's stochastic rounding of g and g * g (int8_codes.quantize) with the bits
+    of reference.sr_bits: exp_avg the low half, exp_avg_sq the high. Elements
+    2^-20 and 2^-40 of their block's largest, a hair above a midpoint of the
+    subnormal codes, values on a code (never moved) and squares down to 2^-118."""
     block = 64
-    g = 0.25 * torch.randn(4 * block)
+    g = 0.25 * torch.randn(5 * block)
     g[::block] = 2.0  # each block's largest, a power of two: y = |x| / 2 exactly
     g[1], g[2] = 2.0 * 2.0**-20, -2.0 * 2.0**-40
-    g[block + 1] = 2.0**-14 * (1 + 2**-3 + 2**-23)  # exp_avg: y = (4.5 + 2^-21) 2^-17: code 5
+    g[block + 1] = 2.0**-14 * (1 + 2**-3 + 2**-23)  # exp_avg: y = (4.5 + 2^-21) 2^-17
     g[block + 2] = 2.0**-15 * (1 + 2**-3 + 2**-23)
     g[2 * block + 1 : 3 * block] = 2.0 * 2.0 ** -torch.randint(16, 60, (block - 1,)).float()  # v: 2^-32 .. 2^-118
+    on_code = int8_codes.value(M_CODE, torch.randint(0, M_CODE.top + 1, (block - 1,)))
+    g[3 * block + 1 : 4 * block] = 2.0 * on_code * torch.where(torch.rand(block - 1) < 0.5, -1.0, 1.0)
     lists = make([g.numel()], [(F32, F32, None)], block)
     ref = clone(lists)
     lists[1][0].copy_(g.to(DEVICE))
     ref[1][0].copy_(g)
     hp = AdamHyperparams(lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
-    kernel_step(lists, 1, hp, block)
-    reference_step(ref, 1, hp, block)
+    kernel_step(lists, 1, hp, block, seed=seed)
+    reference_step(ref, 1, hp, block, seed=seed)
     assert_same(lists, ref)
+    r_m, r_v = reference.sr_bits(seed, 1, torch.arange(g.numel()))
+    for codes, code, x, r in ((lists[2][0], M_CODE, g, r_m), (lists[3][0], V_CODE, g * g, r_v)):
+        assert torch.equal(codes.cpu(), int8_codes.quantize(code, x, block, r)[0]), code.name
     m_codes = lists[2][0].cpu().long()
-    assert m_codes[block + 1].item() == 5, "exp_avg's subnormal code rounded twice"
-    expected = int8_codes.quantize(M_CODE, g, block)[0]
-    assert torch.equal(m_codes, expected.long())
+    assert torch.equal(m_codes[3 * block + 1 : 4 * block] & 0x7F, int8_codes.encode(M_CODE, on_code)), "moved"
+
+
+def test_the_seed_and_the_step_choose_the_bits():
+    """The same seed and step give the same codes; another seed, or another step,
+    other codes (as many as rounding decides), and each is the reference's."""
+    hp = AdamHyperparams(**HYPER)
+    base = make([3000], [(F32, F32, None)], 256)
+    results = {}
+    for seed, step in ((5, 1), (5, 1), (6, 1), (5, 2)):
+        lists, ref = [None if t is None else [x.clone() for x in t] for t in base], clone(base)
+        kernel_step(lists, step, hp, 256, seed=seed)
+        reference_step(ref, step, hp, 256, seed=seed)
+        assert_same(lists, ref)
+        results.setdefault((seed, step), []).append(torch.cat([lists[2][0], lists[3][0]]).cpu())
+    first, again = results[(5, 1)]
+    assert torch.equal(first, again)
+    for other in (results[(6, 1)][0], results[(5, 2)][0]):
+        assert (first != other).float().mean() > 0.2
+
+
+def test_stochastic_rounding_is_unbiased():
+    """beta1 = beta2 = 0 and lr = 0: the step encodes exp_avg = g and exp_avg_sq =
+    g * g. Each block's largest is 1 (a scale of 1: y is the value itself, and a
+    code decodes to its value exactly) and its other elements all one value, so
+    each seed draws each value's rounding many times. Over 100 seeds the mean of
+    the decoded codes is the fp32 value within 6 standard deviations of the mean
+    of two-point draws (step * sqrt(f (1 - f) / n), f the value's fraction of
+    its code step) plus 2^-16 of a step (what 16 random bits resolve); a value
+    on a code never moves. exp_avg_sq below its smallest step always gets code
+    1, never 0 (the rule)."""
+    block, copies, seeds = 64, 4, 100
+    values = torch.tensor(
+        [
+            1 - 2.0**-10,  # in the top binade: code 119 or 120 (the value 1)
+            0.3,
+            -0.6,  # the sign bit
+            2.0**-3 * (1 + 2.0**-4),  # a midpoint: f = 1/2
+            2.0**-7 * (1 + 2.0**-15),  # f = 2^-12
+            2.0**-7 * (1 + 2.0**-3 - 2.0**-15),  # f = 1 - 2^-12
+            0.75,  # on a code (exp_avg's): never moves
+            2.0**-14 * 1.0625,  # exp_avg's smallest normal binade
+            3.3 * 2.0**-17,  # exp_avg's subnormal codes (steps of 2^-17)
+            5.0 * 2.0**-17,  # on one
+            -0.3 * 2.0**-17,  # below exp_avg's smallest step: code 0 or 1
+            1.7 * 2.0**-16,  # exp_avg_sq: 5.78 of its subnormal steps (2^-33)
+            0.9 * 2.0**-15,  # exp_avg_sq: in its smallest normal binade
+            2.0**-17,  # exp_avg_sq: 2^-34, below its smallest step: code 1
+            1e-3,
+            -7e-2,
+        ]
+    )
+    g = values.repeat_interleave(copies * block)
+    g[::block] = 1.0
+    n = g.numel()
+    draws = seeds * copies * (block - 1)
+    not_max = (torch.arange(n) % block != 0).double()
+    sums = [torch.zeros(len(values), dtype=torch.float64) for _ in range(2)]
+    hp = AdamHyperparams(lr=0.0, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
+    for seed in range(seeds):
+        lists = make([n], [(F32, F32, None)], block)
+        lists[1][0].copy_(g.to(DEVICE))
+        kernel_step(lists, 1, hp, block, seed=seed)
+        for k, (code, total) in enumerate(zip((M_CODE, V_CODE), sums)):
+            codes, scales = lists[2 + k][0].cpu(), lists[5 + k][0].cpu()
+            assert torch.equal(scales, torch.ones_like(scales))
+            x = int8_codes.dequantize(code, codes, scales, block).double() * not_max
+            total += x.reshape(len(values), -1).sum(1)
+    for code, x, total in ((M_CODE, values, sums[0]), (V_CODE, values * values, sums[1])):
+        y, mean = x.abs(), total / draws
+        lo = int8_codes.encode(code, y, torch.zeros(len(y), dtype=torch.int64))  # truncated: the code below y
+        step = (int8_codes.value(code, lo + 1) - int8_codes.value(code, lo)).double()
+        f = (y.double() - int8_codes.value(code, lo).double()) / step
+        err = (mean - x.double()).abs()
+        bound = 6 * step * torch.sqrt(f * (1 - f) / draws) + step * 2.0**-16
+        rounded = (y >= 2.0 ** (code.emin - 3)) | code.signed  # exp_avg_sq below its smallest step: code 1
+        assert bool((err[rounded] <= bound[rounded]).all()), (code.name, (err / step)[rounded])
+        assert bool((err[f == 0] == 0).all()), f"{code.name}: a value on a code moved"
+        assert bool((mean[~rounded] == 2.0 ** (code.emin - 3)).all()), f"{code.name}: below the smallest step"
 
 
 def test_zero_and_subnormal_only_blocks_get_scale_zero():
