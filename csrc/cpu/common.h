@@ -9,7 +9,7 @@
 // The Python-facing interface of the extension (bindings.cpp): bumped whenever
 // a binding's arguments change, so that a stale prebuilt extension is rebuilt
 // instead of failing with a pybind TypeError (fastzero/native/abi.py agrees).
-#define FZ_CPU_ABI_VERSION 5
+#define FZ_CPU_ABI_VERSION 6
 
 namespace fz {
 

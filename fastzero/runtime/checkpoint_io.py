@@ -860,8 +860,9 @@ def _check_layout(manifest: dict, engine, nodes, path: Path) -> set[str] | None:
 def _state_format(engine) -> dict | None:
     """The state format of fastzero's Adam-family optimizer (the pieces hold
     fp32 values whatever it is): ``{"format", "seed", "block_size"}``, the
-    seed of bf16 states' stochastic rounding so that a resume rounds as the
-    uninterrupted run; None for a client optimizer."""
+    seed of its stochastic rounding (bf16 and int8 states, bf16 params
+    without a master) so that a resume rounds as the uninterrupted run; None
+    for a client optimizer."""
     opt = engine.optimizer
     fmt = getattr(opt, "state_format", None)
     return None if fmt is None else {"format": fmt, "seed": opt.seed, "block_size": opt.block_size}
