@@ -26,7 +26,7 @@ def test_gpu_check_dry_run(tmp_path):
         text=True,
         env=env,
         cwd=REPO,
-        timeout=600,
+        timeout=1200,  # nvcc for two archs: minutes on 2 busy cores
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for step in ("env", "build_cpu", "compile_cuda", "bench_list", "bench_list_states"):
