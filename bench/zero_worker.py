@@ -122,7 +122,7 @@ class Fastzero(Job):
             "train_micro_batch_size_per_gpu": spec["micro"],
             "steps_per_print": 10**9,
             "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": HYPER},
+            "optimizer": {"type": "AdamW", "params": {**HYPER, **v.get("optimizer", {})}},  # e.g. a state format
         }
         self.engine, *_ = fastzero.initialize(model=make_model(spec["width"], spec["layers"]), config=cfg)
         self.x, self.y = x, y

@@ -401,6 +401,9 @@ OFFLOAD_JOBS = Jobs(
         "fastzero": {
             "fastzero-s2-offload": {"stage": 2, "offload": True},
             "fastzero-s3-offload": {"stage": 3, "prefetch": PREFETCH, "offload": True},
+            # the CPU states in fewer bytes (docs/optimizers.md, "State formats")
+            "fastzero-s2-offload-bf16": {"stage": 2, "offload": True, "optimizer": {"state_format": "bf16"}},
+            "fastzero-s2-offload-int8": {"stage": 2, "offload": True, "optimizer": {"state_format": "int8"}},
         },
         "fsdp2": {"fsdp2-offload": {"reshard": True, "offload": True}},
         "deepspeed": {
@@ -411,6 +414,8 @@ OFFLOAD_JOBS = Jobs(
     against={
         "fastzero-s2-offload": ("fsdp2-offload", "deepspeed-s2-offload"),
         "fastzero-s3-offload": ("fsdp2-offload", "deepspeed-s3-offload"),
+        "fastzero-s2-offload-bf16": ("fsdp2-offload", "deepspeed-s2-offload"),
+        "fastzero-s2-offload-int8": ("fsdp2-offload", "deepspeed-s2-offload"),
     },
     best_metric="speedup_vs_fastest_peer",
     best_label="faster of FSDP2 offload, DeepSpeed offload (same stage)",

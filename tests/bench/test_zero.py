@@ -115,6 +115,9 @@ def test_offload_tiny_run(tmp_path, no_deepspeed):
         assert got[(prov, "kernel_of_roofline")] == pytest.approx(
             got[(prov, "kernel_gbps")] / got[(prov, "roofline_gbps")], rel=0.5
         )  # a median of per-round ratios, not the ratio of medians
+    # the state formats: the CPU holds their master, states (4 and 2 bytes an element) and staging
+    for prov, per_element in (("fastzero-s2-offload-bf16", 4 + 4 + 4), ("fastzero-s2-offload-int8", 4 + 2 + 4)):
+        assert got[(prov, "offloaded_bytes")] == pytest.approx(per_element * psi / 2, rel=0.05)
     assert got[("fastzero-s2-offload", "device_formula_bytes")] == 4 * psi + 4 * psi / 2
     assert got[("fastzero-s3-offload", "device_formula_bytes")] == 8 * psi / 2
     assert not [r for r in res["rows"] if compare.gated(r)]  # no peer ran: nothing to compare with
