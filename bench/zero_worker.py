@@ -283,7 +283,6 @@ class DeepSpeedJob(Job):
         zero = {
             "stage": v["stage"],
             "overlap_comm": True,
-            "overlap_param_gather": True,
             "reduce_bucket_size": spec["bucket"],
             "allgather_bucket_size": spec["bucket"],
             "contiguous_gradients": True,
