@@ -63,7 +63,7 @@ out = build.compile_check()
 print({arch: [p.name for p in objs] for arch, objs in out.items()})
 "
   step bench_list "$PY" -m bench.run --list --device cuda
-  step bench_list_states "$PY" -m bench.run --list --device cuda --dtype bf16states,int8states --sizes 1M,64M
+  step bench_list_states "$PY" -m bench.run --list --device cuda --dtype bf16states,int8states
 else
   step build_cuda "$PY" -c "
 from fastzero import native
