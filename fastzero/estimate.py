@@ -39,9 +39,16 @@ layers gathered during forward and backward at stage 3 come on top, up to
 once (tied params share memory); padding the flat layout to G equal
 shards adds a few hundred elements per rank at most.
 
+With fewer bytes of optimizer state (docs/optimizers.md, "State formats")
+the sharded part shrinks: bf16 states 4 bytes per element instead of 8,
+int8 states 2 plus their block scales, and bf16 params without an fp32
+master (docs/zero.md) 4 bytes less (:func:`model_states_bytes`'s
+``state_format`` and ``master``).
+
 ``python -m fastzero.estimate --model-params N [--largest-layer-params L]
---gpus-per-node G --nodes K [--stage 2|3]`` prints DeepSpeed's table and
-fastzero's figure.
+--gpus-per-node G --nodes K [--stage 2|3] [--state-format bf16|int8]
+[--no-master]`` prints DeepSpeed's table and fastzero's figure (and the
+figure with the format or without the master, when asked).
 """
 
 from __future__ import annotations
@@ -105,15 +112,43 @@ def estimate_zero3_model_states_mem_needs(
     return int(cpu), int(gpu), largest
 
 
-def model_states_bytes(total_params: int, world_size: int, stage: int, persistent_params: int = 0) -> int:
+# bytes per element of Adam's two moments in each state format (the engine keeps "param_dtype" states in the
+# master's dtype, fp32); int8: one byte each plus two fp32 scales per block
+STATE_BYTES = {"fp32": 8.0, "param_dtype": 8.0, "bf16": 4.0}
+
+
+def state_bytes_per_element(state_format: str = "fp32", block_size: int = 256) -> float:
+    if state_format == "int8":
+        return 2.0 + 8.0 / block_size
+    if state_format not in STATE_BYTES:
+        raise ValueError(f"state_format={state_format!r}; known: {', '.join([*STATE_BYTES, 'int8'])}")
+    return STATE_BYTES[state_format]
+
+
+def model_states_bytes(
+    total_params: int,
+    world_size: int,
+    stage: int,
+    persistent_params: int = 0,
+    *,
+    state_format: str = "fp32",
+    block_size: int = 256,
+    master: bool = True,
+) -> int:
     """fastzero's model-state bytes per rank, mixed precision, no offload,
     between steps (the module's doc): stage 2 ``2N + 14N/G``, stage 3
-    ``16N/G + 2P``. Comparable with the sum of ``params``, ``grads``,
-    ``master`` and ``optimizer`` in ``Engine.memory_breakdown()``."""
+    ``16N/G + 2P`` with fp32 states and an fp32 master. ``state_format``
+    ("bf16": 4 bytes of moments per element instead of 8; "int8": 2 plus 8
+    per ``block_size`` of scales) and ``master=False`` (bf16 params without an
+    fp32 master, ``bf16.bf16_master_weights_and_grads``: 4 bytes less) change
+    the sharded part: ``2 + 4 (master) + moments`` bytes per element.
+    Comparable with the sum of ``params``, ``grads``, ``master`` and
+    ``optimizer`` in ``Engine.memory_breakdown()``."""
+    sharded = 2 + (4 if master else 0) + state_bytes_per_element(state_format, block_size)
     if stage == 2:
-        return 2 * total_params + 14 * total_params // world_size
+        return int(2 * total_params + sharded * total_params / world_size)
     if stage == 3:
-        return 16 * total_params // world_size + 2 * persistent_params
+        return int((2 + sharded) * total_params / world_size) + 2 * persistent_params
     raise ValueError(f"stage={stage}: the estimate covers stages 2 and 3")
 
 
@@ -226,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--stage", type=int, choices=(2, 3), default=None, help="default: both")
     parser.add_argument("--additional-buffer-factor", type=float, default=1.5)
+    parser.add_argument("--state-format", choices=("fp32", "bf16", "int8"), default=None, help="Adam's states")
+    parser.add_argument("--no-master", action="store_true", help="bf16 params without an fp32 master")
     args = parser.parse_args(argv)
     total = int(args.model_params)
     common = dict(num_gpus_per_node=args.gpus_per_node, num_nodes=args.nodes)
@@ -242,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         estimate_zero3_model_states_mem_needs_all_cold(
             total, largest, **common, additional_buffer_factor=args.additional_buffer_factor
         )
+    if args.state_format or args.no_master:
+        fmt, gpus = args.state_format or "fp32", args.gpus_per_node * args.nodes
+        what = f"state_format={fmt}" + (", no fp32 master" if args.no_master else "")
+        for stage in (2, 3) if args.stage is None else (args.stage,):
+            figure = model_states_bytes(total, gpus, stage, state_format=fmt, master=not args.no_master)
+            print(f"fastzero stage {stage}, {what}, offload none, between steps: {figure / 2**30:.2f}GB per GPU")
     return 0
 
 

@@ -94,6 +94,32 @@ def test_fastzero_figure_matches_two_ranks(tmp_path):
     print(figures)
 
 
+@pytest.mark.parametrize(
+    "optimizer,bf16,master",
+    [
+        ({"state_format": "bf16"}, {}, True),
+        ({"state_format": "int8"}, {}, True),
+        ({}, {"bf16_master_weights_and_grads": True}, False),
+    ],
+    ids=["bf16-states", "int8-states", "no-master"],
+)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_figure_with_a_state_format_or_no_master_matches_one_rank(stage, optimizer, bf16, master):
+    total, _, persistent = model_to_params(make_mlp())
+    fmt = optimizer.get("state_format", "fp32")
+    ours = model_states_bytes(total, 1, stage, persistent, state_format=fmt, master=master)
+    measured = model_state_bytes(breakdown(stage, optimizer=optimizer, bf16=bf16))
+    assert abs(measured - ours) <= 0.05 * measured, (stage, fmt, master, measured, ours)
+    assert ours < model_states_bytes(total, 1, stage, persistent)  # fewer bytes than fp32 states with a master
+
+
+def test_the_cli_prints_the_figure_with_a_format(capsys):
+    assert main(["--model-params", "1e9", "--gpus-per-node", "8", "--stage", "2", "--state-format", "int8"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    # 2N + (2 + 4 + 2 + 8/256) N / 8
+    assert last.startswith("fastzero stage 2, state_format=int8, offload none") and "2.80GB per GPU" in last
+
+
 def test_stage_outside_the_estimate():
     with pytest.raises(ValueError, match="stage"):
         model_states_bytes(10, 1, 1)

@@ -17,11 +17,12 @@ def make_mlp() -> torch.nn.Module:
     )
 
 
-def breakdown(stage: int, steps: int = 2) -> dict[str, int]:
+def breakdown(stage: int, steps: int = 2, optimizer: dict | None = None, bf16: dict | None = None) -> dict[str, int]:
+    """`optimizer`: more optimizer params (a state format); `bf16`: more bf16 keys (no fp32 master)."""
     config = {
         "train_micro_batch_size_per_gpu": 4,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": True, **(bf16 or {})},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, **(optimizer or {})}},
         "zero_optimization": {"stage": stage},
     }
     engine, *_ = fastzero.initialize(model=make_mlp(), config=config)
