@@ -197,7 +197,7 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         )
         super().__init__(params, {**hp.group_defaults(), "amsgrad": False})
         self.state_format = fmt
-        self.seed = seed  # stochastic rounding's (bf16 states), else None
+        self.seed = seed  # stochastic rounding's (bf16 and int8 states, bf16_stochastic_round), else None
         self.block_size = block_size  # int8 states' scale blocks, else None
         self.bf16_stochastic_round = bool(bf16_stochastic_round)  # bf16 params written with stochastic rounding
         self.fp32_optimizer_states = fmt == "fp32"  # DeepSpeed's attribute
@@ -493,8 +493,8 @@ class AdamFamilyOptimizer(LossScaleViews, torch.optim.Optimizer):
         are converted through fp32 (fp32 -> bf16 rounded to nearest, bf16 ->
         fp32 exactly, int8 decoded, to int8 encoded with fresh block scales,
         int8 of another block size decoded and encoded again) and the log
-        says so (a warning where bits are lost, else info). A bf16-format
-        optimizer takes the saved seed of a bf16-format state dict, so that a
+        says so (a warning where bits are lost, else info). An optimizer that
+        rounds stochastically takes the saved seed of one that did, so that a
         resumed run rounds as the uninterrupted one would have; int8 states
         of the same block size are taken as they are (to the bit)."""
         saved_format = _saved_format(state_dict.get("state_format"))
