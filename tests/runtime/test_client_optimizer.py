@@ -104,8 +104,12 @@ def test_client_optimizers_match_torch_at_every_stage_on_two_ranks(tmp_path, opt
             for key, t in keys.items():
                 got = state[name][key]
                 if run["dtype"] == "fp32":
+                    # RMSprop's momentum sums g / sqrt(running g^2): an element whose grad nearly cancels between
+                    # the two ranks' micro-batches carries the sum's rounding, so amplified (seen: one element of
+                    # 2145 at 2e-4 relative, on an AVX-512 CPU)
+                    rtol = 1e-3 if (opt, key) == ("rmsprop", "momentum_buffer") else 1e-4
                     torch.testing.assert_close(
-                        got, t, rtol=1e-4, atol=1e-5, msg=lambda m, w=(run, name, key): f"{w}: {m}"
+                        got, t, rtol=rtol, atol=1e-5, msg=lambda m, w=(run, name, key): f"{w}: {m}"
                     )
                 else:  # bf16 forward and grads: the state tracks fp32's
                     assert (got - t).abs().mean() < 0.1 * t.abs().mean() + 1e-3, (run, name, key)
