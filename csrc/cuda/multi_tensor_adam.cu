@@ -497,6 +497,22 @@ int check_sr(const char* fn, int64_t seed, int sr_params, int p_dtype) {
   return FZ_OK;
 }
 
+// The checks both Adam entries share, for n > 0 (their state lists differ):
+// the step, the stochastic-rounding arguments, params, grads and copies.
+int check_step_args(const char* fn, const float* step, int64_t seed, int sr_params, void* const* p,
+                    void* const* g, void* const* copy, const int64_t* numel, int n, int p_dtype, int g_dtype,
+                    int c_dtype) {
+  if (step == nullptr)
+    return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": step is null (pass the device step counter)");
+  if (int rc = check_sr(fn, seed, sr_params, p_dtype)) return rc;
+  if (c_dtype != kNone && copy == nullptr)
+    return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": a copy dtype without copies");
+  int rc = check_list(fn, "params", p, numel, n, p_dtype);
+  if (!rc) rc = check_list(fn, "grads", g, numel, n, g_dtype);
+  if (!rc && c_dtype != kNone) rc = check_list(fn, "param_copies", copy, numel, n, c_dtype);
+  return rc;
+}
+
 }  // namespace
 }  // namespace fz
 
@@ -513,16 +529,9 @@ extern "C" int fz_cuda_adam(void* const* p, void* const* g, void* const* m, void
                        std::string(fn) + ": hyper is null (pass the hyperparameters as an fz_adam_hyper)");
     if (n < 0) return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": negative tensor count");
     if (n == 0) return FZ_OK;
-    if (step == nullptr)
-      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": step is null (pass the device step counter)");
-    if (int rc = check_sr(fn, seed, sr_params, p_dtype)) return rc;
-    if (c_dtype != kNone && copy == nullptr)
-      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": a copy dtype without copies");
-    int rc = check_list(fn, "params", p, numel, n, p_dtype);
-    if (!rc) rc = check_list(fn, "grads", g, numel, n, g_dtype);
+    int rc = check_step_args(fn, step, seed, sr_params, p, g, copy, numel, n, p_dtype, g_dtype, c_dtype);
     if (!rc) rc = check_list(fn, "exp_avgs", m, numel, n, s_dtype);
     if (!rc) rc = check_list(fn, "exp_avg_sqs", v, numel, n, s_dtype);
-    if (!rc && c_dtype != kNone) rc = check_list(fn, "param_copies", copy, numel, n, c_dtype);
     if (rc) return rc;
     const AdamArgs args{*hyper, step, grad_scale, found_inf, uint32_t(seed)};
     void* const* const lists[5] = {p, g, m, v, c_dtype == kNone ? nullptr : copy};
@@ -562,16 +571,9 @@ extern "C" int fz_cuda_adam_int8(void* const* p, void* const* g, void* const* m,
                                                     " is not a power of two from 64 to 4096");
     if (n < 0) return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": negative tensor count");
     if (n == 0) return FZ_OK;
-    if (step == nullptr)
-      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": step is null (pass the device step counter)");
-    if (int rc = check_sr(fn, seed, sr_params, p_dtype)) return rc;
-    if (c_dtype != kNone && copy == nullptr)
-      return set_error(FZ_ERR_INVALID_ARGUMENT, std::string(fn) + ": a copy dtype without copies");
-    int rc = check_list(fn, "params", p, numel, n, p_dtype);
-    if (!rc) rc = check_list(fn, "grads", g, numel, n, g_dtype);
+    int rc = check_step_args(fn, step, seed, sr_params, p, g, copy, numel, n, p_dtype, g_dtype, c_dtype);
     if (!rc) rc = check_list_of(fn, "exp_avgs", m, numel, n, 1, "uint8");
     if (!rc) rc = check_list_of(fn, "exp_avg_sqs", v, numel, n, 1, "uint8");
-    if (!rc && c_dtype != kNone) rc = check_list(fn, "param_copies", copy, numel, n, c_dtype);
     if (rc) return rc;
     std::vector<int64_t> blocks(static_cast<size_t>(n));  // scales per tensor (numel >= 0: checked above)
     for (int i = 0; i < n; ++i) blocks[i] = (numel[i] + block_size - 1) / block_size;

@@ -47,9 +47,9 @@ def launch(
     sr_params = lambda p_dtype: bool(bf16_stochastic_round) and p_dtype == torch.bfloat16  # noqa: E731
     threads = torch.get_num_threads()
     groups = dtype_groups(params, grads, exp_avgs, param_copies)
+    ptrs = lambda ts, idx: [] if ts is None else [ts[i].data_ptr() for i in idx]  # noqa: E731
     if state_format == "int8":
         block = DEFAULT_BLOCK if block_size is None else block_size
-        ptrs = lambda ts, idx: [ts[i].data_ptr() for i in idx]  # noqa: E731
         for (p_dtype, g_dtype, _, c_dtype), idx in groups.items():
             ops.adam_int8(
                 ISA_NAMES.index(isa),
@@ -57,7 +57,7 @@ def launch(
                 ptrs(grads, idx),
                 ptrs(exp_avgs, idx),
                 ptrs(exp_avg_sqs, idx),
-                [] if c_dtype is None else ptrs(param_copies, idx),
+                ptrs(param_copies, idx),
                 ptrs(exp_avg_absmax, idx),
                 ptrs(exp_avg_sq_absmax, idx),
                 [params[i].numel() for i in idx],
@@ -76,11 +76,11 @@ def launch(
     for (p_dtype, g_dtype, s_dtype, c_dtype), idx in groups.items():
         ops.adam(
             ISA_NAMES.index(isa),
-            [params[i].data_ptr() for i in idx],
-            [grads[i].data_ptr() for i in idx],
-            [exp_avgs[i].data_ptr() for i in idx],
-            [exp_avg_sqs[i].data_ptr() for i in idx],
-            [] if c_dtype is None else [param_copies[i].data_ptr() for i in idx],
+            ptrs(params, idx),
+            ptrs(grads, idx),
+            ptrs(exp_avgs, idx),
+            ptrs(exp_avg_sqs, idx),
+            ptrs(param_copies, idx),
             [params[i].numel() for i in idx],
             DTYPE_CODES[p_dtype],
             DTYPE_CODES[g_dtype],
