@@ -44,6 +44,13 @@ std::vector<Chunk> block_items(int64_t n, int64_t block) {
   return items;
 }
 
+// Codes of at least this many bytes (a core's L2) are written with
+// cache-bypassing stores, in whole groups that start on their size: a plain
+// store first reads each line (a write-allocate). Measured on the AVX-512
+// machine of docs/quant.md: 2% to 10% faster for int8 codes from 1M to 16M
+// values, int4 about even. Smaller outputs stay in the cache.
+constexpr int64_t kStreamCodesBytes = int64_t(1) << 20;
+
 bool good_format(int64_t n, int64_t block, int bits) {
   return n >= 0 && block >= 1 && (bits == 8 || (bits == 4 && block % 2 == 0));
 }
@@ -57,10 +64,11 @@ bool quant_quantize(Isa isa, const void* x, int x_dtype, void* codes, float* sca
   if (fn == nullptr) return false;
   const int64_t xs = dtype_size(x_dtype);
   const std::vector<Chunk> items = block_items(n, block);
+  const bool stream = n * bits / 8 >= kStreamCodesBytes;
   parallel_chunks(items, num_threads, [&](int64_t i) {
     const int64_t off = items[i].offset;  // a block's first element (even for int4)
     fn(static_cast<const char*>(x) + off * xs, static_cast<char*>(codes) + off * bits / 8, scales + off / block,
-       items[i].count, block, uint64_t(off), bits, stochastic, seed);
+       items[i].count, block, uint64_t(off), bits, stochastic, seed, stream);
   });
   return true;
 }
