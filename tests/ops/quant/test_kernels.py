@@ -27,6 +27,27 @@ def test_cpu_matches_reference(isa, block, bits, dtype, stochastic):
         check_backend("cpu", n, block, bits, dtype, stochastic)
 
 
+@pytest.mark.parametrize("bits,block", [(8, 999), (8, 1000), (4, 1000)])
+def test_cpu_stochastic_groups_across_2_16(isa, bits, block):
+    """Stochastic rounding takes a shortcut for vector groups whose indices
+    share their top 16 bits: groups that start off a multiple of the group
+    (odd blocks) cross 65536 and take the full hash."""
+    check_backend("cpu", 70_001, block, bits, torch.float32, True)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 256), (8, 1000)])
+def test_cpu_streams_large_codes(isa, bits, block, stochastic):
+    """Codes of 1 MiB and more are written with cache-bypassing stores (in
+    aligned groups; block 1000 mixes aligned and unaligned ones)."""
+    n = (1 << 21) + 777
+    x = torch.randn(n, generator=torch.Generator().manual_seed(bits + block))
+    codes, scales = quant.quantize_blockwise(x, bits, block, stochastic=stochastic, seed=5)
+    want_codes, want_scales = ref.quantize(x, bits, block, stochastic, 5)
+    assert_same(codes, want_codes, "codes")
+    assert_same(scales, want_scales, "scales")
+
+
 def _fmix32(h: int) -> int:
     h ^= h >> 16
     h = (h * 0x85EBCA6B) & 0xFFFFFFFF
