@@ -154,7 +154,7 @@ def _confirm(family, case, rows, baseline, settings, tolerance, say, attempts: i
 
     def worst(rows):
         checks = compare.compare({"rows": rows}, baseline)
-        changes = [c.change for c in checks if c.change is not None]
+        changes = [c.change for c in checks if c.status(tolerance) == "REGRESSION"]
         return min(changes, default=0.0)
 
     best, best_worst = rows, worst(rows)
