@@ -57,7 +57,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from fastzero.parallel.groups import group_rank, group_size, tensor_group
 from fastzero.parallel.rng import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from fastzero.parallel.selective import Record, Replay, SelectivePolicy
+from fastzero.parallel.selective import Miss, Record, Replay, SelectivePolicy, block_key
 
 __all__ = [
     "SavedBytes",
@@ -423,7 +423,8 @@ class _CheckpointFunction(torch.autograd.Function):
         s = _settings
         meter = _METER
         keeps = policy is not None and policy.max_kept_ratio > 0
-        record = Record(meter.count if meter is not None else None) if keeps else None
+        key = block_key(run_function, args, policy.max_kept_ratio) if keeps else None
+        record = Record(meter.count if meter is not None else None, key) if keeps else None
         with _phase("forward"), torch.no_grad(), record or contextlib.nullcontext():
             outputs = run_function(*args)
         ctx.kept = None
@@ -464,13 +465,12 @@ class _CheckpointFunction(torch.autograd.Function):
         args = list(ctx.args)
         for (i, needs_grad), k, t in zip(ctx.positions, group.kept, saved):
             args[i] = k.rebuild(t).detach().requires_grad_(needs_grad)
-        with _phase("recompute"), ctx.rng.replay(), contextlib.ExitStack() as stack:
-            for kind, enabled, dtype in ctx.autocast:
-                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            if ctx.kept is not None:
-                stack.enter_context(Replay(ctx.kept))
-            with torch.enable_grad():
-                outputs = ctx.run_function(*args)
+        replay = Replay(ctx.kept, learn=True) if ctx.kept is not None else None
+        try:
+            outputs = _recompute(ctx, args, replay)
+        except Miss:  # the recompute left its plan or masks: again, plainly (the generator replays)
+            replay = replay.fallback()
+            outputs = _recompute(ctx, args, replay)
         ctx.kept = None  # kept outputs the recompute did not take back go now
         outs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
@@ -481,6 +481,21 @@ class _CheckpointFunction(torch.autograd.Function):
         for (i, _), g in zip(ctx.positions, inputs):
             out[i] = g
         return (None, None, None, *out)
+
+
+def _recompute(ctx, args: list, replay: Replay | None) -> Any:
+    """Runs the block again under its forward's generator and autocast states (and the selective policy's
+    `replay`, which a planned run can leave by raising :class:`Miss` at any op, or after the last)."""
+    with _phase("recompute"), ctx.rng.replay(), contextlib.ExitStack() as stack:
+        for kind, enabled, dtype in ctx.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        if replay is not None:
+            stack.enter_context(replay)
+        with torch.enable_grad():
+            outputs = ctx.run_function(*args)
+    if replay is not None:
+        replay.finish(outputs)
+    return outputs
 
 
 # A leaf that requires grad, passed to every reentrant checkpoint: without one, a call whose inputs need no grad

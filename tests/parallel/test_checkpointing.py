@@ -18,7 +18,7 @@ import fastzero
 from fastzero import checkpointing
 from fastzero.config import ConfigError, load_config
 from fastzero.parallel import checkpointing as impl
-from fastzero.parallel import placement
+from fastzero.parallel import placement, selective
 from tests.dist import run_ranks
 from tests.paths import WORKERS
 
@@ -29,6 +29,7 @@ WORKER = WORKERS / "act_ckpt.py"
 def fresh_settings():
     impl._unconfigure()
     checkpointing.get_cuda_rng_tracker().reset()
+    selective.forget_plans()  # each test learns its own: a plan found from an earlier test changes what runs
     yield
     impl._unconfigure()
     checkpointing.get_cuda_rng_tracker().reset()

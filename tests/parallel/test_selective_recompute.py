@@ -1,0 +1,229 @@
+"""The selective policy's recompute: dropout masks kept as bits (no random
+draw in the recompute), ops whose outputs nothing reads skipped once a
+plan is learned, and every way a plan can stop fitting (a changed grad
+flag, a buffer written in place, a custom autograd Function, a random op
+that is no mask) falling back to a plain recompute. Each against the
+un-checkpointed run, bit for bit, over several steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastzero import checkpointing
+from fastzero.parallel import checkpointing as impl
+from fastzero.parallel import selective
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    impl._unconfigure()
+    checkpointing.get_cuda_rng_tracker().reset()
+    selective.forget_plans()
+    yield
+    selective.forget_plans()
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten ops that actually run (under the selective modes: what they did not skip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__  # e.g. "addmm.default"
+        self.ran[name] = self.ran.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class Block(nn.Module):
+    """Pre-LN attention + MLP with dropout after each, as the act_ckpt bench's."""
+
+    def __init__(self, width=16, heads=2, p=0.25):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, w)
+        x = x + F.dropout(self.proj(a), self.p, self.training)
+        return x + F.dropout(self.down(F.gelu(self.up(self.ln2(x)))), self.p, self.training)
+
+
+def steps(blocks, wrap, n=3, seed=0):
+    """n forward + backward steps from the same seeds; per step the grads, the input's grad and the ops the
+    backward (its recomputes) ran."""
+    out = []
+    for step in range(n):
+        torch.manual_seed(seed + step)
+        x = torch.randn(2, 8, 16, requires_grad=True)
+        for p in blocks.parameters():
+            p.grad = None
+        h = x
+        for b in blocks:
+            h = wrap(b, h)
+        with Ops() as ops:
+            (h * h.detach().cos()).sum().backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in blocks.parameters()]
+        out.append((grads, x.grad.clone(), ops.ran, torch.rand(2)))
+    return out
+
+
+def assert_same_grads(got, want):
+    for (g, xg, _, nxt), (w, xw, _, wnxt) in zip(got, want, strict=True):
+        assert torch.equal(xg, xw)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g, w, strict=True))
+        assert torch.equal(nxt, wnxt)  # the generator ends where the plain run's does
+
+
+def selective_wrap(ratio=1.25):
+    return lambda b, h: checkpointing.checkpoint(b, h, policy=checkpointing.SelectivePolicy(ratio))
+
+
+def test_dropout_masks_are_kept_as_bits_and_the_recompute_draws_nothing():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(3))
+    want = steps(blocks, lambda b, h: b(h))
+    got = steps(blocks, selective_wrap())
+    assert_same_grads(got, want)
+    for _, _, ran, _ in got:
+        assert "bernoulli_.float" not in ran  # every mask came back from its bits
+        assert ran.get("index_select.out") == 2 * 3  # two masks unpacked per block
+
+
+def test_the_recompute_skips_what_no_backward_reads_once_learned():
+    """The MLP's down-projection feeds only the block's output (dropout saves its mask, the residual add
+    nothing): from the second step its matmul is not recomputed, nor the dropout's multiply and the add."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(3))
+    want = steps(blocks, lambda b, h: b(h), n=4)
+    got = steps(blocks, selective_wrap(0.1), n=4)  # room for the masks only: every matmul is recomputed or skipped
+    assert_same_grads(got, want)
+    # 3 blocks; forward matmuls qkv, proj, up, down (addmm); the backward's own matmuls are mm
+    addmm = [ran["addmm.default"] for _, _, ran, _ in got]
+    assert addmm[0] == 3 * 4  # learning: everything ran
+    assert addmm[1:] == [3 * 3] * 3  # the down-projection skipped in every block
+    plans = [p for p in selective._PLANS.values() if p is not None]
+    assert plans and all(len(p.dead) == 3 for p in plans)  # addmm, mul, add
+
+
+def test_a_plan_that_no_longer_fits_falls_back_to_a_plain_recompute():
+    """A parameter frozen after the plan was learned: the recompute's grad flags differ from the learned
+    ones, the planned run stops at the first op that reads it and the block is recomputed plainly."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(2))
+    steps(blocks, selective_wrap(), n=2)  # learn and use
+    assert not selective._MISSES
+    blocks[1].up.weight.requires_grad_(False)
+    want = steps(blocks, lambda b, h: b(h), n=2, seed=10)
+    got = steps(blocks, selective_wrap(), n=2, seed=10)
+    assert_same_grads(got, want)
+    assert sum(selective._MISSES.values()) >= 1
+
+
+class Noisy(nn.Module):
+    """A matmul, Gaussian noise (a random op that is no 0/1 mask), dropout, a matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = F.dropout(h + 0.1 * torch.randn_like(h), 0.3, self.training)
+        return x + self.b(torch.tanh(h))
+
+
+def test_a_random_op_that_is_no_mask_keeps_no_masks():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Noisy() for _ in range(2))
+    want = steps(blocks, lambda b, h: b(h))
+    got = steps(blocks, selective_wrap())
+    assert_same_grads(got, want)
+    for _, _, ran, _ in got:
+        assert ran["bernoulli_.float"] == 2 and ran["randn_like.default"] == 2  # the generator replayed
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(16, 16), nn.BatchNorm1d(8), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.bn(self.a(x))))
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.x = x  # held on ctx, not saved: no saved-tensor hook sees it
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * ctx.x * g
+
+
+class WithCustomFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.b(Square.apply(self.a(x)))
+
+
+@pytest.mark.parametrize("make", [WithBatchNorm, WithCustomFunction], ids=["buffer_written", "custom_function"])
+def test_blocks_that_cannot_be_planned_are_recomputed_whole(make):
+    """A block that writes a tensor from outside in place (BatchNorm's running stats) or holds tensors on a
+    custom Function's ctx gets no plan: every op is recomputed, and grads match the plain run."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(make() for _ in range(2))
+    want = steps(blocks, lambda b, h: b(h))
+    for b in blocks:  # the plain run moved BatchNorm's running stats: start the checkpointed run from the same
+        if isinstance(b, WithBatchNorm):
+            b.bn.reset_running_stats()
+    got = steps(blocks, selective_wrap(0.5))  # keeps no output (each is as large as the input)
+    assert_same_grads(got, want)
+    assert selective._PLANS and all(p is None for p in selective._PLANS.values())
+    for _, _, ran, _ in got[1:]:
+        assert ran["addmm.default"] == 2 * 2  # the last matmul, which nothing reads, still ran
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.bool])
+def test_bits_round_trip(n, dtype):
+    gen = torch.Generator().manual_seed(n)
+    mask = torch.rand(n, generator=gen) < 0.7
+    values = mask.to(dtype)
+    bits = selective.pack_bits(values)
+    assert bits.dtype == torch.uint8 and bits.numel() == -(-n // 8)
+    assert torch.equal(selective.unpack_bits(bits, values.shape), mask)
+    out = torch.full((n,), 5, dtype=dtype)
+    assert torch.equal(selective.unpack_bits_into(out, bits), values)
+    strided = torch.full((n, 2), 5, dtype=dtype)[:, 0]  # not contiguous: the general path
+    assert torch.equal(selective.unpack_bits_into(strided, bits), values)
+
+
+def test_a_wrong_plan_cannot_change_the_gradients():
+    """A plan that (wrongly) skips the GELU, whose output the down-projection's backward reads: the
+    recompute sees autograd save a stand-in, stops and runs plainly; the grads stay exact."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(2))
+    steps(blocks, selective_wrap(0.1), n=1)  # learn
+    for plan in selective._PLANS.values():
+        (gelu,) = [i for i, k in enumerate(plan.keys) if k[0] is torch.ops.aten.gelu.default]
+        shape, dtype, stride, device = plan.keys[gelu][1][0][0]  # its input's, as its output's
+        plan.dead[gelu] = (torch.Tensor, [(shape, stride, dtype, device)])
+    want = steps(blocks, lambda b, h: b(h), n=1, seed=3)
+    got = steps(blocks, selective_wrap(0.1), n=1, seed=3)
+    assert_same_grads(got, want)
+    assert sum(selective._MISSES.values()) == 2  # each block's planned run missed once
