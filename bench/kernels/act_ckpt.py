@@ -7,9 +7,10 @@ attention (SDPA) + 4x GELU MLP, dropout 0.1), fp32, on the CPU, for:
 * ``torch_every_2nd``: the same on every second block (the uniform interval
   the budget placement is compared with);
 * ``fastzero_full``: ``fastzero.checkpointing.checkpoint`` on every block;
-* ``fastzero_selective``: ``policy="selective"`` on every block (the op
-  outputs that cost the most FLOPs to recompute per byte, up to the block
-  input's bytes, kept);
+* ``fastzero_selective``: ``policy="selective"`` on every block (dropout
+  masks kept as bits and the op outputs that cost the most FLOPs to
+  recompute per byte, up to 1.25x the block input's bytes; from the second
+  step the recompute skips what no backward reads);
 * ``fastzero_mixed``: ``checkpointing.apply(policy="mixed")`` with the
   budget set to 1.5x ``fastzero_full``'s peak (the issue's memory target
   for the selective policy): none, selective or full per block, the least
