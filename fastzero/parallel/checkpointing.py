@@ -423,11 +423,12 @@ class _CheckpointFunction(torch.autograd.Function):
         s = _settings
         meter = _METER
         keeps = policy is not None and policy.max_kept_ratio > 0
-        key = block_key(run_function, args, policy.max_kept_ratio) if keeps else None
+        key = block_key(run_function, args, policy) if keeps else None
         record = Record(meter.count if meter is not None else None, key) if keeps else None
         with _phase("forward"), torch.no_grad(), record or contextlib.nullcontext():
             outputs = run_function(*args)
         ctx.kept = None
+        ctx.skip_unread = keeps and policy.skip_unread
         if record is not None:  # the limit is relative to the inputs, which the checkpoint keeps anyway
             inputs = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
             ctx.kept = record.choose(policy.max_kept_ratio * inputs)
@@ -465,7 +466,7 @@ class _CheckpointFunction(torch.autograd.Function):
         args = list(ctx.args)
         for (i, needs_grad), k, t in zip(ctx.positions, group.kept, saved):
             args[i] = k.rebuild(t).detach().requires_grad_(needs_grad)
-        replay = Replay(ctx.kept, learn=True) if ctx.kept is not None else None
+        replay = Replay(ctx.kept, learn=ctx.skip_unread, use_plan=ctx.skip_unread) if ctx.kept is not None else None
         try:
             outputs = _recompute(ctx, args, replay)
         except Miss:  # the recompute left its plan or masks: again, plainly (the generator replays)

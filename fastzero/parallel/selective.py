@@ -45,9 +45,12 @@ un-checkpointed run's bit for bit):
    are those it was learned from, that no op reading values reads a stand-in,
    and that autograd saves none; otherwise it stops (:class:`Miss`) and the
    block is recomputed plainly, its generator replayed. Blocks that write a
-   tensor from outside in place (BatchNorm's running statistics) or use a
-   custom autograd Function (whose ctx may hold tensors no hook sees) are
-   never planned.
+   tensor from outside in place (BatchNorm's running statistics), use a
+   custom autograd Function (whose ctx may hold tensors no hook sees) or push
+   saved-tensor hooks of their own are never planned. Reads outside torch's
+   ops (``.tolist()``, ``.numpy()``) are invisible: stand-ins hold NaN so
+   that such a read shows, and ``SelectivePolicy(skip_unread=False)`` turns
+   the skips off.
 """
 
 from __future__ import annotations
@@ -76,9 +79,15 @@ class SelectivePolicy:
     default, ``"selective"``) keeps at most 2.25x what a fully recomputed
     block keeps (room for an attention output beside a block input of the
     same shape, and its masks); 0 keeps nothing (full recompute, nothing
-    skipped); ``math.inf`` keeps every matmul and attention output."""
+    skipped); ``math.inf`` keeps every matmul and attention output.
+
+    ``skip_unread=False`` turns off the learned skips (module docstring, 3.):
+    for a block that reads tensor values outside torch's ops (``.tolist()``,
+    ``.numpy()``, printing) and feeds what it read back into its computation,
+    which no check can see. A stand-in reads as NaN, so such a read shows."""
 
     max_kept_ratio: float = 1.25
+    skip_unread: bool = True
 
     def __post_init__(self) -> None:
         r = self.max_kept_ratio
@@ -87,6 +96,8 @@ class SelectivePolicy:
                 f"SelectivePolicy(max_kept_ratio={r!r}): give a number >= 0, the bytes kept per byte of the "
                 "block's inputs (math.inf: keep every matmul and attention output)"
             )
+        if not isinstance(self.skip_unread, bool):
+            raise TypeError(f"SelectivePolicy(skip_unread={self.skip_unread!r}): give True or False")
 
 
 def _mm(args, out) -> int:  # mm(a, b), bmm(a, b)
@@ -348,9 +359,9 @@ def _remember(cache: OrderedDict, key: int, value: Any) -> None:
         cache.popitem(last=False)
 
 
-def block_key(function: Callable, args: tuple, ratio: float) -> int:
+def block_key(function: Callable, args: tuple, policy: SelectivePolicy) -> int:
     """What one checkpointed call is known by across steps: the function (a module or bound method by its
-    object, a function by its code and closure), its training flag, the limit and its tensor arguments'
+    object, a function by its code and closure), its training flag, the policy and its tensor arguments'
     shapes, strides, dtypes and grad flags. A plan or choice found under it is still checked as it is used."""
     owner = getattr(function, "__self__", None)
     code = getattr(getattr(function, "__func__", function), "__code__", None)
@@ -363,7 +374,7 @@ def block_key(function: Callable, args: tuple, ratio: float) -> int:
         (tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, Tensor) else type(a)
         for a in args
     )
-    return hash((who, getattr(function, "training", getattr(owner, "training", None)), ratio, tensors))
+    return hash((who, getattr(function, "training", getattr(owner, "training", None)), policy, tensors))
 
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -515,7 +526,9 @@ class Replay(TorchDispatchMode):
         self.kept = kept
         self.plan = kept.plan if use_plan else None
         self.masks = kept.masks if use_masks else {}
+        self.may_learn = learn
         self.learn = learn and kept.block_key is not None and kept.block_key not in _PLANS
+        self._pack = None  # this mode's saved-tensor pack hook, while tracking
         self.track = self.plan is not None or self.learn
         self.calls: dict[Any, int] = defaultdict(int)
         self.taken: dict[tuple[Any, int], tuple] = {}
@@ -541,6 +554,7 @@ class Replay(TorchDispatchMode):
             def unpack(packed):
                 return unpack_outer(packed) if unpack_outer is not None else packed
 
+            self._pack = pack
             self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
             self._hooks.__enter__()
         return super().__enter__()
@@ -551,7 +565,7 @@ class Replay(TorchDispatchMode):
         finally:
             if self._hooks is not None:
                 self._hooks.__exit__(*exc)
-                self._hooks = None
+                self._hooks = self._pack = None  # the hook holds this mode: no cycle left behind
 
     def _saved(self, t: Tensor) -> None:
         ptr = _storage(t)
@@ -572,6 +586,13 @@ class Replay(TorchDispatchMode):
             return self._run(func, info, index, args, kwargs)
         position = self.position
         self.position += 1
+        top = _top_hooks(False)
+        if top is None or top[0] is not self._pack:
+            # saved-tensor hooks pushed inside the block (a torch.utils.checkpoint, save_on_cpu) save tensors
+            # this mode does not see: nothing can be known unread
+            if self.plan is not None:
+                raise Miss(f"op {position} ({func}) runs under saved-tensor hooks of the block's own")
+            self.plannable = False
         tensors = _flat_tensors(args, kwargs)
         ptrs = [_storage(t) for t in tensors]
         producer = self.producer
@@ -649,6 +670,8 @@ class Replay(TorchDispatchMode):
                 continue
             shape, stride, dtype, device = t
             o = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            if o.is_floating_point() or o.is_complex():
+                o.fill_(math.nan)  # a read no check saw (.tolist(), .numpy()) shows as NaN, not as stale memory
             ptr = _storage(o)
             if ptr is not None:
                 self.garbage.add(ptr)
@@ -696,7 +719,10 @@ class Replay(TorchDispatchMode):
                 _remember(_PLANS, key, None)
             else:
                 _PLANS.pop(key, None)
-        return Replay(self.kept, learn=True, use_plan=False, use_masks=False)
+        return Replay(self.kept, learn=self.may_learn, use_plan=False, use_masks=False)
+
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _custom_function_in(outputs: Any) -> bool:

@@ -227,3 +227,62 @@ def test_a_wrong_plan_cannot_change_the_gradients():
     got = steps(blocks, selective_wrap(0.1), n=1, seed=3)
     assert_same_grads(got, want)
     assert sum(selective._MISSES.values()) == 2  # each block's planned run missed once
+
+
+class WithInnerHooks(nn.Module):
+    """A torch.utils.checkpoint (its own saved-tensor hooks) or save_on_cpu inside the block."""
+
+    def __init__(self, inner: str):
+        super().__init__()
+        self.inner = inner
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.inner == "checkpoint":
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=False)
+        else:
+            with torch.autograd.graph.save_on_cpu():
+                h = torch.tanh(self.b(h))
+        return x + self.c(h)
+
+
+@pytest.mark.parametrize("inner", ["checkpoint", "save_on_cpu"])
+def test_saved_tensor_hooks_inside_the_block_are_never_planned_around(inner):
+    """Tensors saved under the block's own hooks are out of the selective mode's sight: no plan, exact grads."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(WithInnerHooks(inner) for _ in range(2))
+    want = steps(blocks, lambda b, h: b(h))
+    got = steps(blocks, selective_wrap(0.1))
+    assert_same_grads(got, want)
+    assert selective._PLANS and all(p is None for p in selective._PLANS.values())
+
+
+class ReadsThroughPython(nn.Module):
+    """Feeds values read outside torch's ops (``.tolist()``) back into the computation: no check sees the read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        y = self.b(h)  # read only through Python below: the plan finds it unread
+        scale = torch.tensor(y.detach().tolist()).abs().mean()
+        return h * scale
+
+
+def test_a_read_through_python_shows_as_nan_and_skip_unread_false_is_exact():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(ReadsThroughPython() for _ in range(2))
+    want = steps(blocks, lambda b, h: b(h))
+    exact = steps(
+        blocks, lambda b, h: checkpointing.checkpoint(b, h, policy=checkpointing.SelectivePolicy(skip_unread=False))
+    )
+    assert_same_grads(exact, want)
+    assert not selective._PLANS  # nothing learned without skips
+    skipping = steps(blocks, selective_wrap(0.1))
+    grads, x_grad, _, _ = skipping[1]  # planned from the second step: the stand-in reads as NaN, loudly
+    assert torch.isnan(x_grad).any()
+    with pytest.raises(TypeError, match="skip_unread"):
+        checkpointing.SelectivePolicy(skip_unread=1)
