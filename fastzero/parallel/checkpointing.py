@@ -431,7 +431,7 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.skip_unread = keeps and policy.skip_unread
         if record is not None:  # the limit is relative to the inputs, which the checkpoint keeps anyway
             inputs = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
-            ctx.kept = record.choose(policy.max_kept_ratio * inputs)
+            ctx.kept = record.choose(policy.max_kept_ratio * inputs, outputs)
             if meter is not None and meter.tag is not None:
                 meter.kept_flops[meter.tag] += ctx.kept.flops
         ctx.positions, tensors, kept = [], [], []
@@ -469,7 +469,11 @@ class _CheckpointFunction(torch.autograd.Function):
         replay = Replay(ctx.kept, learn=ctx.skip_unread, use_plan=ctx.skip_unread) if ctx.kept is not None else None
         try:
             outputs = _recompute(ctx, args, replay)
-        except Miss:  # the recompute left its plan or masks: again, plainly (the generator replays)
+        except Exception as e:
+            # the recompute left its plan or masks (Miss), or failed on a stand-in's NaN: again, plainly (the
+            # generator replays); a plain recompute's own error is the user's
+            if replay is None or not (isinstance(e, Miss) or replay.planned):
+                raise
             replay = replay.fallback()
             outputs = _recompute(ctx, args, replay)
         ctx.kept = None  # kept outputs the recompute did not take back go now

@@ -24,22 +24,26 @@ un-checkpointed run's bit for bit):
    tensor inputs' bytes (one that does not fit is skipped and smaller ones are
    still tried). Later forwards of the same block (:func:`block_key`) hold
    only what it kept last time. An output an in-place op changed later in the
-   block is not kept (it no longer holds what the op made); the recompute
-   takes the kept outputs back in order, matched by op, call number and
-   argument signature (one that does not match is recomputed).
+   block (through any alias: writes are matched by storage) or that shares
+   storage with the block's outputs is not kept; the recompute takes the kept
+   outputs back in order, matched by op, call number, argument signature and
+   the point of the op sequence (:class:`_Chain`); one that does not match is
+   recomputed.
 
 2. **Dropout masks as bits.** A block's random draws are its 0/1 dropout
    masks (``bernoulli``) on the CPU; each is kept at one bit per value
    (counted in the limit, first) and written back in the recompute instead of
-   drawn. All of a block's random ops or none: one random op that is not a
-   mask (noise, ``native_dropout``) keeps no masks, and the generator replays.
+   drawn, the generator then set where the forward's draw left it. All of a
+   block's random ops or none: one random op that is not a mask (noise,
+   ``native_dropout``) keeps no masks, and the generator replays.
 
 3. **Skipping what nothing reads.** The recompute's outputs are only the
    roots of the block's backward: their values are never read. The first
    recompute of a block learns which ops' outputs neither a later op nor
    autograd (saved-tensor hooks) reads, e.g. an MLP's down-projection, its
-   dropout multiply and the residual add; later recomputes run uninitialised
-   stand-ins in their place (a :class:`Plan`). A planned run checks, before
+   dropout multiply and the residual add; later recomputes skip the costed
+   ones (the down-projection) with NaN-filled stand-ins in their place and
+   run the cheap ones (a :class:`Plan`). A planned run checks, before
    each op, that the op, its argument signature, which earlier op made each
    tensor argument and the grad flags of the tensors from outside the block
    are those it was learned from, that no op reading values reads a stand-in,
@@ -56,7 +60,6 @@ un-checkpointed run's bit for bit):
 from __future__ import annotations
 
 import math
-import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,6 +214,7 @@ class _OpInfo:
     dropout_p: int | None  # ... unless this argument is 0 (attention)
     dropout_default: Any
     shape_only: bool  # reads only its tensor arguments' shapes (``empty_like``, ``new_zeros``)
+    view: bool  # returns an alias of an argument (its schema says so: ``view``, ``detach``, ``transpose``)
 
 
 _INFO: dict[Any, _OpInfo] = {}
@@ -232,6 +236,7 @@ def _info(func: Any) -> _OpInfo:
             dropout_p=dropout[0] if dropout else None,
             dropout_default=arguments[dropout[0]].default_value if dropout else None,
             shape_only=name.endswith("_like") or name.startswith("new_"),
+            view=any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns),
         )
     return info
 
@@ -331,6 +336,7 @@ class Plan:
 
     keys: list[tuple]
     dead: dict[int, tuple]  # op position -> (output type, per output (shape, stride, dtype, device) or None)
+    unread: frozenset  # positions of cheap ops whose outputs nothing reads: they run, maybe on stand-ins
     shallow: frozenset  # positions of the ops that read no values (views, empty_like): they may run on stand-ins
     dead_calls: frozenset  # (op, call number) of those: the forward keeps none of their outputs
     dead_flops: int
@@ -411,30 +417,67 @@ class Kept:
 class _Held:
     func: Any
     index: int  # the op's call number in the block
+    chain: int  # the hash of the block's ops up to this one (see _Chain)
     signature: tuple
-    out: Any
+    out: Any  # detached aliases of the op's outputs: they share its version counters
     handles: list  # the meter's, held as long as the output
     flops: int
     nbytes: int
-    made: list[Tensor]  # the op's own outputs (a detached alias made here does not share their version counter)
-    versions: list[int]  # of those when made: an in-place op since then changed what they hold
+    storages: set[int]
+    versions: list[int]  # of the outputs when made: an in-place op since then changed what they hold
+    written: bool = False  # an op of the block wrote its storage (through any alias)
 
     def unchanged(self) -> bool:
-        return [t._version for t in self.made] == self.versions
+        return not self.written and _versions(self.out) == self.versions
+
+
+def _versions(out: Any) -> list[int]:
+    return [t._version for t in _tensors(out)]
+
+
+class _Chain:
+    """The hash of a block's op sequence so far, views left out (autograd adds ``detach`` calls with grad on).
+    A kept output or mask stands for a recomputed call only at the same point of the same sequence: without
+    grad, some composite ops decompose otherwise (``matmul`` of a 2-D and a 3-D tensor: ``bmm`` without grad,
+    ``mm`` with it), which shifts the call numbers."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def step(self, func: Any, info: _OpInfo) -> int:
+        if not info.view:
+            self.value = hash((self.value, func))
+        return self.value
+
+
+def _generator_of(args: tuple, kwargs: dict) -> Any:
+    """The generator a random op draws from: its ``generator`` argument, else its device's default (None: a
+    device this module does not know)."""
+    gen = kwargs.get("generator")
+    if gen is not None:
+        return gen
+    device = args[0].device
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
 
 
 class Record(TorchDispatchMode):
     """The forward's mode: holds every costed output (counted by `count`,
-    which returns a handle to hold beside it) and every dropout mask as bits,
-    and hashes the op sequence (the key a learned :class:`Plan` is found
-    under); then :meth:`choose` keeps the best under the limit and drops the
+    which returns a handle to hold beside it; once a block kept some, only
+    those) and every dropout mask as bits with the generator's state after
+    it; then :meth:`choose` keeps the best under the limit and drops the
     rest."""
 
     def __init__(self, count: Callable[[Tensor], Any] | None, key: int | None = None) -> None:
         super().__init__()
         self.count = count
         self.calls: dict[Any, int] = defaultdict(int)
+        self.chain = _Chain()
         self.held: list[_Held] = []
+        self.by_storage: dict[int, list[_Held]] = defaultdict(list)
         self.masks: dict[tuple[Any, int], tuple] | None = {}  # None: a random op that is no 0/1 mask ran
         self.key = key
         # what this block kept last time: only those are held (holding every costed output until the block ends
@@ -444,59 +487,78 @@ class Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        info = _info(func)
         index = self.calls[func]
         self.calls[func] += 1
-        if _random(_info(func), args, kwargs):
-            self._mask(func, index, _signature(args, kwargs), out)
+        chain = self.chain.step(func, info)
+        if info.mutable and self.by_storage:  # a write through any alias changes a held output
+            for t in _written(info, args, kwargs):
+                for h in self.by_storage.get(_storage(t), ()):
+                    h.written = True
+        if _random(info, args, kwargs):
+            self._mask(func, index, chain, args, kwargs, out)
         flops = op_flops(func, args, out) if self.expected is None or (func, index) in self.expected else 0
         if flops > 0:
-            signature = _signature(args, kwargs)
-            nbytes = _nbytes(out)
             kept = _detached(out)
+            storages = {_storage(t) for t in _tensors(out)} - {None}
             handles = [self.count(t) for t in _tensors(kept)] if self.count is not None else []
-            made = _tensors(out)
-            versions = [t._version for t in made]
-            self.held.append(_Held(func, index, signature, kept, handles, flops, nbytes, made, versions))
+            signature = _signature(args, kwargs)
+            h = _Held(func, index, chain, signature, kept, handles, flops, _nbytes(out), storages, _versions(kept))
+            self.held.append(h)
+            for st in storages:
+                self.by_storage[st].append(h)
         return out
 
-    def _mask(self, func, index, signature, out) -> None:
+    def _mask(self, func, index, chain, args, kwargs, out) -> None:
         if self.masks is None:
             return
-        if func not in _MASK_OPS or not isinstance(out, Tensor):
+        gen = _generator_of(args, kwargs) if func in _MASK_OPS and isinstance(out, Tensor) else None
+        if gen is None:
             self.masks = None  # one random op the recompute must draw: it draws them all (the generator replays)
             return
         bits = pack_bits(out)
         handle = self.count(bits) if self.count is not None else None
-        self.masks[(func, index)] = (signature, bits, out.shape, handle)
+        # the generator's state after the draw: the recompute sets it, so that what reads the generator later in
+        # the block (a checkpoint nested in it) finds it as the forward did
+        self.masks[(func, index)] = (chain, _signature(args, kwargs), bits, out.shape, gen, gen.get_state(), handle)
 
-    def choose(self, limit: float) -> Kept:
+    def choose(self, limit: float, outputs: Any = None) -> Kept:
+        """Keeps the best of what was held under `limit` bytes; never an output sharing storage with the block's
+        `outputs` (the caller may write those in place)."""
         plan = _PLANS.get(self.key) if self.key is not None else None
         kept = Kept(self.key, plan)
         if self.masks:  # first: a mask's recompute costs a random draw per value, kept at one bit per value
-            nbytes = sum(m[1].numel() for m in self.masks.values())
+            nbytes = sum(m[2].numel() for m in self.masks.values())
             if nbytes <= limit:
                 kept.masks, kept.nbytes = self.masks, nbytes
         self.masks = None
         dead = plan.dead_calls if plan is not None else frozenset()
         if plan is not None:
             kept.flops += plan.dead_flops
+        returned = {_storage(t) for t in _flat_outputs(outputs)}
         # most FLOPs per byte first; ties: the smaller, then the earlier (sorted() is stable)
         ranked = sorted(self.held, key=lambda h: (-h.flops / max(h.nbytes, 1), h.nbytes))
         for h in ranked:
-            if (h.func, h.index) not in dead and h.unchanged() and kept.nbytes + h.nbytes <= limit:
-                refs = [weakref.ref(t) for t in h.made]  # weak: a block's output must not hold itself through ctx
-                kept.outputs[(h.func, h.index)] = (h.signature, h.out, h.handles, refs, h.versions)
+            if (h.func, h.index) in dead or not h.unchanged() or h.storages & returned:
+                continue
+            if kept.nbytes + h.nbytes <= limit:
+                kept.outputs[(h.func, h.index)] = (h.chain, h.signature, h.out, h.handles, h.versions)
                 kept.nbytes += h.nbytes
                 kept.flops += h.flops
-        self.held = []  # the others (and their handles) go now
+        self.held, self.by_storage = [], {}  # the others (and their handles) go now
         if self.key is not None:
             _remember(_CHOICES, self.key, frozenset(kept.outputs))
         return kept
 
 
-def _unchanged(refs: list, versions: list[int]) -> bool:
-    """No in-place op changed the outputs since they were kept (as far as the ones still alive tell)."""
-    return all(r() is None or r()._version == v for r, v in zip(refs, versions))
+def _flat_outputs(outputs: Any) -> list[Tensor]:
+    if isinstance(outputs, Tensor):
+        return [outputs]
+    if isinstance(outputs, (tuple, list)):
+        return [t for o in outputs for t in _flat_outputs(o)]
+    if isinstance(outputs, dict):
+        return [t for o in outputs.values() for t in _flat_outputs(o)]
+    return []
 
 
 @dataclass
@@ -530,10 +592,15 @@ class Replay(TorchDispatchMode):
         self.learn = learn and kept.block_key is not None and kept.block_key not in _PLANS
         self._pack = None  # this mode's saved-tensor pack hook, while tracking
         self.track = self.plan is not None or self.learn
+        self.planned = self.plan is not None  # stand-ins may run: an error in such a run is retried plainly
         self.calls: dict[Any, int] = defaultdict(int)
+        self.chain = _Chain()
         self.taken: dict[tuple[Any, int], tuple] = {}
         self.position = 0
         self.producer: dict[int, int] = {}  # storage -> position of the op that made it (this run)
+        # what the run made, held until it ends: no storage of it is freed and its address reused meanwhile, so
+        # an address names one storage (and a tensor made outside the ops, torch.tensor(list), never a made one)
+        self.alive: list[Tensor] = []
         self.garbage: set[int] = set()  # storages standing in for skipped ops' outputs
         self.ops: list[_Op] = []
         self.keys: list[tuple] = []
@@ -566,6 +633,7 @@ class Replay(TorchDispatchMode):
             if self._hooks is not None:
                 self._hooks.__exit__(*exc)
                 self._hooks = self._pack = None  # the hook holds this mode: no cycle left behind
+            self.alive = []
 
     def _saved(self, t: Tensor) -> None:
         ptr = _storage(t)
@@ -582,8 +650,9 @@ class Replay(TorchDispatchMode):
         index = self.calls[func]
         self.calls[func] += 1
         info = _info(func)
+        chain = self.chain.step(func, info)
         if not self.track:
-            return self._run(func, info, index, args, kwargs)
+            return self._run(func, info, index, chain, args, kwargs)
         position = self.position
         self.position += 1
         top = _top_hooks(False)
@@ -606,9 +675,10 @@ class Replay(TorchDispatchMode):
             dead = plan.dead.get(position)
             if dead is not None:
                 return self._stand_in(dead, position)
-            if self.garbage and position not in plan.shallow and any(p in self.garbage for p in ptrs):
-                raise Miss(f"op {position} ({func}) reads an output the plan skipped")
-        out = self._run(func, info, index, args, kwargs)
+            if self.garbage and position not in plan.shallow and position not in plan.unread:
+                if any(p in self.garbage for p in ptrs):
+                    raise Miss(f"op {position} ({func}) reads an output the plan skipped")
+        out = self._run(func, info, index, chain, args, kwargs)
         single = isinstance(out, Tensor)
         outs = (out,) if single else out if isinstance(out, (tuple, list)) else (out,)
         made = [o for o in outs if isinstance(o, Tensor)]
@@ -622,11 +692,12 @@ class Replay(TorchDispatchMode):
             and all(o is None or isinstance(o, Tensor) for o in outs)
             and not _random(info, args, kwargs)
         )
-        if not aliases and self.garbage:
-            self.garbage -= made_ptrs  # new storages, maybe where a stand-in was freed
-        if fresh:
+        if not aliases:  # new storages
+            self.alive.extend(made)
             for q in made_ptrs:
                 producer[q] = position
+            if plan is not None and position in plan.unread:
+                self.garbage |= made_ptrs  # computed from stand-ins: no later op reads it, autograd saves none
         if self.learn:
             self._learn(func, info, index, args, kwargs, out, outs, key, reads, fresh, bool(made) and aliases)
         return out
@@ -645,19 +716,24 @@ class Replay(TorchDispatchMode):
         values = [] if view or info.shape_only else [r for r in reads if r >= 0]
         self.ops.append(_Op(func, index, values, fresh, always, view, dead, flops))
 
-    def _run(self, func, info, index, args, kwargs):
+    def _run(self, func, info, index, chain, args, kwargs):
         if self.masks and _random(info, args, kwargs):
             entry = self.masks.get((func, index))
-            if entry is None or entry[0] != _signature(args, kwargs):
+            if entry is None or entry[0] != chain or entry[1] != _signature(args, kwargs):
                 raise Miss(f"random op {func} was not drawn in the forward: the generator must replay")
+            _, _, bits, shape, gen, state, _ = entry
             if _MASK_OPS[func]:  # in place: the mask goes where the op would have drawn it
-                return unpack_bits_into(args[0], entry[1])
-            return unpack_bits_into(torch.empty(entry[2], dtype=args[0].dtype, device=args[0].device), entry[1])
+                out = unpack_bits_into(args[0], bits)
+            else:
+                out = unpack_bits_into(torch.empty(shape, dtype=args[0].dtype, device=args[0].device), bits)
+            gen.set_state(state)  # where the forward's draw left the generator
+            return out
         entry = self.kept.outputs.pop((func, index), None)
         if entry is not None:
             self.taken[(func, index)] = entry
-            if entry[0] == _signature(args, kwargs) and _unchanged(entry[3], entry[4]):
-                return entry[1]
+            kept_chain, signature, out, _, versions = entry
+            if kept_chain == chain and signature == _signature(args, kwargs) and _versions(out) == versions:
+                return out
         return func(*args, **kwargs)
 
     def _stand_in(self, dead: tuple, position: int) -> Any:
@@ -673,6 +749,7 @@ class Replay(TorchDispatchMode):
             if o.is_floating_point() or o.is_complex():
                 o.fill_(math.nan)  # a read no check saw (.tolist(), .numpy()) shows as NaN, not as stale memory
             ptr = _storage(o)
+            self.alive.append(o)
             if ptr is not None:
                 self.garbage.add(ptr)
                 self.producer[ptr] = position  # as in the run the plan was learned from
@@ -697,10 +774,15 @@ class Replay(TorchDispatchMode):
             op = self.ops[position]
             if op.always or position in live:
                 live.update(op.reads)
-        dead = {i: op.dead for i, op in enumerate(self.ops) if op.fresh and i not in live}
+        unread = [i for i, op in enumerate(self.ops) if op.fresh and i not in live]
+        # only the costed ops are skipped; the cheap ones nothing reads still run (on the stand-ins, if they come
+        # after one), so what the block hands out of band (an attribute it sets) is wrong only if it derives
+        # from a skipped matmul's output
+        dead = {i: self.ops[i].dead for i in unread if self.ops[i].flops > 0}
         return Plan(
             keys=self.keys,
             dead=dead,
+            unread=frozenset(i for i in unread if i not in dead),
             shallow=frozenset(i for i, op in enumerate(self.ops) if op.view or not op.reads),
             dead_calls=frozenset((self.ops[i].func, self.ops[i].call) for i in dead),
             dead_flops=sum(self.ops[i].flops for i in dead),
