@@ -418,6 +418,7 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function: Callable, policy: SelectivePolicy | None, anchor: Tensor, *args: Any) -> Any:
         ctx.run_function = run_function
+        ctx.set_materialize_grads(False)  # an output the loss leaves out gets no grad: its params' stay None
         ctx.rng = _RNGSnapshot.take()
         ctx.autocast = _autocast_state()
         s = _settings
