@@ -331,8 +331,9 @@ class Plan:
     """What the recompute of one block can skip, learned from a plain
     recompute: per op, the key it must match (op, argument signature, which
     earlier op made each tensor argument, and whether an outside tensor needs
-    grad), and the ops whose outputs no later op nor the backward reads, with
-    the shapes of the outputs that stand in for them."""
+    grad), and the ops whose outputs no later op nor the backward reads: the
+    costed ones skipped (with the shapes of the outputs that stand in for
+    them), the cheap ones run."""
 
     keys: list[tuple]
     dead: dict[int, tuple]  # op position -> (output type, per output (shape, stride, dtype, device) or None)
@@ -342,8 +343,8 @@ class Plan:
     dead_flops: int
 
 
-# forward key -> Plan, or None where a block cannot be planned (an outside tensor written, a custom autograd
-# Function, repeated misses); the oldest go first
+# block key -> Plan, or None where a block cannot be planned (an outside tensor written, a custom autograd
+# Function, saved-tensor hooks of its own, repeated misses); the oldest go first
 _PLANS: OrderedDict[int, Plan | None] = OrderedDict()
 _MISSES: dict[int, int] = defaultdict(int)
 _CHOICES: OrderedDict[int, frozenset] = OrderedDict()  # block key -> the (op, call number)s it kept last time
@@ -406,7 +407,8 @@ class Kept:
 
     def __init__(self, block_key: int | None = None, plan: Plan | None = None) -> None:
         self.outputs: dict[tuple[Any, int], tuple] = {}
-        self.masks: dict[tuple[Any, int], tuple] = {}  # (op, call) -> (signature, bits, shape, handle)
+        # (op, call) -> (chain, signature, bits, shape, generator, its state after the draw, meter handle)
+        self.masks: dict[tuple[Any, int], tuple] = {}
         self.flops = 0  # the recompute FLOPs these outputs and the plan's skipped ops save
         self.nbytes = 0
         self.block_key = block_key
@@ -577,8 +579,8 @@ class _Op:
 
 class Replay(TorchDispatchMode):
     """The recompute's mode: a kept call returns its output instead of
-    running, a random call its mask; with a :class:`Plan` the ops no later op
-    nor the backward reads are not run (empty tensors stand in); with
+    running, a random call its mask; with a :class:`Plan` the costed ops no
+    later op nor the backward reads are not run (NaN-filled tensors stand in); with
     `learn`, the run is watched to make that plan. Leaving the plan (or the
     masks) raises :class:`Miss`: :meth:`fallback` gives the mode to run the
     recompute again plainly."""
@@ -726,7 +728,8 @@ class Replay(TorchDispatchMode):
                 out = unpack_bits_into(args[0], bits)
             else:
                 out = unpack_bits_into(torch.empty(shape, dtype=args[0].dtype, device=args[0].device), bits)
-            gen.set_state(state)  # where the forward's draw left the generator
+            if gen is torch.default_generator or (torch.cuda.is_initialized() and gen in torch.cuda.default_generators):
+                gen.set_state(state)  # where the forward's draw left it (the checkpoint restores defaults after)
             return out
         entry = self.kept.outputs.pop((func, index), None)
         if entry is not None:
