@@ -16,20 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastzero import checkpointing
-from fastzero.parallel import checkpointing as impl
 from fastzero.parallel import selective
+from tests.parallel.test_selective_recompute import fresh  # noqa: F401 (the autouse fixture: no state between tests)
 
 RATIOS = [0.1, 1.25, math.inf]
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    impl._unconfigure()
-    checkpointing.get_cuda_rng_tracker().reset()
-    selective.forget_plans()
-    yield
-    selective.forget_plans()
-    checkpointing.get_cuda_rng_tracker().reset()
 
 
 def _loss(out) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.kernels.act_ckpt import Block  # the bench's transformer block: pre-LN attention + MLP, dropout 0.1
 from fastzero import checkpointing
 from fastzero.parallel import checkpointing as impl
 from fastzero.parallel import selective
@@ -25,6 +26,7 @@ def fresh():
     selective.forget_plans()
     yield
     selective.forget_plans()
+    checkpointing.get_cuda_rng_tracker().reset()
 
 
 class Ops(TorchDispatchMode):
@@ -38,24 +40,6 @@ class Ops(TorchDispatchMode):
         name = func.__name__  # e.g. "addmm.default"
         self.ran[name] = self.ran.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
-
-
-class Block(nn.Module):
-    """Pre-LN attention + MLP with dropout after each, as the act_ckpt bench's."""
-
-    def __init__(self, width=16, heads=2, p=0.25):
-        super().__init__()
-        self.heads, self.p = heads, p
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        b, s, w = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, w)
-        x = x + F.dropout(self.proj(a), self.p, self.training)
-        return x + F.dropout(self.down(F.gelu(self.up(self.ln2(x)))), self.p, self.training)
 
 
 def steps(blocks, wrap, n=3, seed=0):
@@ -90,7 +74,7 @@ def selective_wrap(ratio=1.25):
 
 def test_dropout_masks_are_kept_as_bits_and_the_recompute_draws_nothing():
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block() for _ in range(3))
+    blocks = nn.ModuleList(Block(16, 2) for _ in range(3))
     want = steps(blocks, lambda b, h: b(h))
     got = steps(blocks, selective_wrap())
     assert_same_grads(got, want)
@@ -104,7 +88,7 @@ def test_the_recompute_skips_what_no_backward_reads_once_learned():
     nothing): from the second step its matmul is not recomputed (the dropout's multiply and the add, cheap, run
     on its stand-in)."""
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block() for _ in range(3))
+    blocks = nn.ModuleList(Block(16, 2) for _ in range(3))
     want = steps(blocks, lambda b, h: b(h), n=4)
     got = steps(blocks, selective_wrap(0.1), n=4)  # room for the masks only: every matmul is recomputed or skipped
     assert_same_grads(got, want)
@@ -120,7 +104,7 @@ def test_a_plan_that_no_longer_fits_falls_back_to_a_plain_recompute():
     """A parameter frozen after the plan was learned: the recompute's grad flags differ from the learned
     ones, the planned run stops at the first op that reads it and the block is recomputed plainly."""
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block() for _ in range(2))
+    blocks = nn.ModuleList(Block(16, 2) for _ in range(2))
     steps(blocks, selective_wrap(), n=2)  # learn and use
     assert not selective._MISSES
     blocks[1].up.weight.requires_grad_(False)
@@ -218,7 +202,7 @@ def test_a_wrong_plan_cannot_change_the_gradients():
     """A plan that (wrongly) skips the GELU, whose output the down-projection's backward reads: the
     recompute sees autograd save a stand-in, stops and runs plainly; the grads stay exact."""
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block() for _ in range(2))
+    blocks = nn.ModuleList(Block(16, 2) for _ in range(2))
     steps(blocks, selective_wrap(0.1), n=1)  # learn
     for plan in selective._PLANS.values():
         (gelu,) = [i for i, k in enumerate(plan.keys) if k[0] is torch.ops.aten.gelu.default]
