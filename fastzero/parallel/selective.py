@@ -59,7 +59,9 @@ un-checkpointed run's bit for bit):
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -373,10 +375,10 @@ def block_key(function: Callable, args: tuple, policy: SelectivePolicy) -> int:
     owner = getattr(function, "__self__", None)
     code = getattr(getattr(function, "__func__", function), "__code__", None)
     if isinstance(function, torch.nn.Module) or code is None:
-        who: Any = id(function)
+        who: Any = _serial(function)
     else:
         cells = getattr(function, "__closure__", None) or ()
-        who = (code, id(owner), tuple(_cell_id(c) for c in cells))
+        who = (code, _serial(owner), tuple(_cell_id(c) for c in cells))
     tensors = tuple(
         (tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, Tensor) else type(a)
         for a in args
@@ -398,7 +400,28 @@ def _cell_id(cell) -> Any:
         return v
     if isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v):
         return tuple(v)
-    return id(v)
+    return _serial(v)
+
+
+_SERIALS: dict[int, int] = {}  # id -> serial number, while the object lives
+_NEXT_SERIAL = itertools.count(1)
+
+
+def _serial(obj: Any) -> Any:
+    """A number for `obj` no later object gets: an id is reused once its object is freed, and a new model at
+    a freed one's address would find the old model's plans and kept choices (checked, so still exact, but
+    chosen for another block: a different peak). Objects without weak references go by id."""
+    if obj is None:
+        return None
+    key = id(obj)
+    serial = _SERIALS.get(key)
+    if serial is None:
+        try:
+            weakref.finalize(obj, _SERIALS.pop, key, None)
+        except TypeError:
+            return ("id", key)
+        serial = _SERIALS[key] = next(_NEXT_SERIAL)
+    return serial
 
 
 class Kept:

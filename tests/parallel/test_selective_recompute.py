@@ -198,6 +198,24 @@ def test_bits_round_trip(n, dtype):
     assert torch.equal(selective.unpack_bits_into(strided, bits), values)
 
 
+def test_a_new_block_at_a_freed_blocks_address_is_known_by_a_new_key():
+    """CPython gives a freed module's address to the next one: keyed by id, a new model would find the old
+    one's plans and kept choices (the cause of a peak that differed by test order)."""
+    policy, x = checkpointing.SelectivePolicy(), torch.randn(4, 8)
+    ids, keys = set(), set()
+    for _ in range(50):
+        block = nn.Linear(8, 8)
+        ids.add(id(block))
+        keys.add(selective.block_key(block, (x,), policy))
+        assert selective.block_key(block, (x,), policy) in keys  # steady while it lives
+        closure = lambda t, block=block: block(t)  # noqa: E731
+        assert selective.block_key(closure, (x,), policy) == selective.block_key(closure, (x,), policy)
+        del block, closure
+    if len(ids) == 50:
+        pytest.skip("the allocator reused no freed module's address")
+    assert len(keys) == 50
+
+
 def test_a_wrong_plan_cannot_change_the_gradients():
     """A plan that (wrongly) skips the GELU, whose output the down-projection's backward reads: the
     recompute sees autograd save a stand-in, stops and runs plainly; the grads stay exact."""
