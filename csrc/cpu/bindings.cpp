@@ -199,6 +199,26 @@ void onebit_unpack(int isa, uintptr_t bits, uintptr_t scales, uintptr_t out, int
                     reinterpret_cast<float*>(out), rows, row_bytes, average, num_threads);
 }
 
+void mask_pack(int isa, uintptr_t x, int x_dtype, uintptr_t bits, int64_t numel, int num_threads) {
+  if (numel < 0) throw std::invalid_argument("mask_pack: negative element count");
+  if (x_dtype < fz::kF32 || x_dtype > fz::kBF16)
+    throw std::invalid_argument("mask_pack: bad dtype code " + std::to_string(x_dtype));
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::mask_pack(checked, reinterpret_cast<const void*>(x), x_dtype, reinterpret_cast<uint8_t*>(bits), numel,
+                num_threads);
+}
+
+void mask_unpack(int isa, uintptr_t bits, uintptr_t out, int out_dtype, int64_t numel, int num_threads) {
+  if (numel < 0) throw std::invalid_argument("mask_unpack: negative element count");
+  if (out_dtype < fz::kF32 || out_dtype > fz::kBF16)
+    throw std::invalid_argument("mask_unpack: bad dtype code " + std::to_string(out_dtype));
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::mask_unpack(checked, reinterpret_cast<const uint8_t*>(bits), reinterpret_cast<void*>(out), out_dtype, numel,
+                  num_threads);
+}
+
 void stream_fill(int isa, const std::vector<uintptr_t>& a, const std::vector<int64_t>& numel, double s, bool nt,
                  int num_threads) {
   if (a.size() != numel.size()) throw std::invalid_argument("stream_fill: tensor lists differ in length");
@@ -263,6 +283,8 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.def("onebit_pack", &onebit_pack,
         "1-bit pack: y = x + error; per-chunk scale, sign bits, new error (see csrc/cpu/onebit.h).");
   m.def("onebit_unpack", &onebit_unpack, "1-bit unpack: signs times scales, per row or averaged over rows.");
+  m.def("mask_pack", &mask_pack, "A 0/1 mask as bits: bit i % 8 of byte i / 8 is (x[i] != 0).");
+  m.def("mask_unpack", &mask_unpack, "Bits back to a 0/1 mask in the output's dtype.");
   m.def("quant_quantize", &quant_quantize,
         "Block-wise quantize: per-block absmax scale, int8 or packed int4 codes (see csrc/cpu/quant.h).");
   m.def("quant_dequantize_sum", &quant_dequantize_sum,

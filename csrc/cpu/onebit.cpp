@@ -73,4 +73,23 @@ bool onebit_unpack(Isa isa, const uint8_t* bits, const float* scales, float* out
   return true;
 }
 
+// Segments start at multiples of kChunkElements (whole bytes of bits).
+bool mask_pack(Isa isa, const void* x, int x_dtype, uint8_t* bits, int64_t numel, int num_threads) {
+  const auto fn = FZ_ISA_PICK(isa, pick_mask_pack(x_dtype));
+  if (fn == nullptr || numel < 0) return false;
+  const char* xp = static_cast<const char*>(x);
+  const int64_t xs = dtype_size(x_dtype);
+  for_each_segment({numel}, num_threads, [&](size_t, int64_t off, int64_t n) { fn(xp + off * xs, bits + off / 8, n); });
+  return true;
+}
+
+bool mask_unpack(Isa isa, const uint8_t* bits, void* out, int out_dtype, int64_t numel, int num_threads) {
+  const auto fn = FZ_ISA_PICK(isa, pick_mask_unpack(out_dtype));
+  if (fn == nullptr || numel < 0) return false;
+  char* op = static_cast<char*>(out);
+  const int64_t os = dtype_size(out_dtype);
+  for_each_segment({numel}, num_threads, [&](size_t, int64_t off, int64_t n) { fn(bits + off / 8, op + off * os, n); });
+  return true;
+}
+
 }  // namespace fz

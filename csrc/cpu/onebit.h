@@ -22,4 +22,10 @@ bool onebit_pack(Isa isa, const void* x, int x_dtype, float* error, uint8_t* bit
 bool onebit_unpack(Isa isa, const uint8_t* bits, const float* scales, float* out, int64_t rows,
                    int64_t row_bytes, bool average, int num_threads);
 
+// A 0/1 mask (fp32, fp16 or bf16) as bits: bit i % 8 of byte i / 8 is
+// (x[i] != 0), ceil(numel / 8) bytes; and back, 1 or 0 in out's dtype.
+// Return false if `isa` or the dtype has no kernel.
+bool mask_pack(Isa isa, const void* x, int x_dtype, uint8_t* bits, int64_t numel, int num_threads);
+bool mask_unpack(Isa isa, const uint8_t* bits, void* out, int out_dtype, int64_t numel, int num_threads);
+
 }  // namespace fz

@@ -71,7 +71,9 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SelectivePolicy", "forget_plans", "op_flops", "pack_bits", "unpack_bits", "unpack_bits_into"]
+from fastzero.ops.onebit import pack_mask, unpack_mask
+
+__all__ = ["SelectivePolicy", "forget_plans", "op_flops"]
 
 _aten = torch.ops.aten
 
@@ -284,40 +286,6 @@ _MASK_OPS = {
     )
     if hasattr(getattr(_aten, name, None), overload)
 }
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
-def pack_bits(mask: Tensor) -> Tensor:
-    """A 0/1 tensor as bits, 8 values per byte, in its logical order: each 8 bytes of 0/1 read as one int64 and
-    gathered into its top byte by one multiply (bit k of the byte is value k)."""
-    b = mask.reshape(-1).to(torch.uint8)
-    pad = -b.numel() % 8
-    if pad:
-        b = torch.cat([b, b.new_zeros(pad)])
-    return (((b.view(torch.int64) * 0x0102040810204080) >> 56) & 255).to(torch.uint8)
-
-
-def unpack_bits(bits: Tensor, shape: torch.Size) -> Tensor:
-    """The bool tensor of `shape` that :func:`pack_bits` packed."""
-    n = math.prod(shape)
-    return ((bits.unsqueeze(-1) & _BIT_WEIGHTS.to(bits.device)) != 0).view(-1)[:n].view(shape)
-
-
-_BIT_TABLES: dict[tuple, Tensor] = {}
-
-
-def unpack_bits_into(out: Tensor, bits: Tensor) -> Tensor:
-    """Writes the 0/1 values :func:`pack_bits` packed into `out` (its shape and dtype): contiguous outputs of a
-    multiple of 8 values by one gather of 8-value rows from a 256-row table, others through :func:`unpack_bits`."""
-    if out.is_contiguous() and out.numel() % 8 == 0 and out.dtype.is_floating_point:
-        key = (out.dtype, out.device)
-        table = _BIT_TABLES.get(key)
-        if table is None:
-            rows = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-            table = _BIT_TABLES[key] = rows.to(dtype=out.dtype, device=out.device)
-        torch.index_select(table, 0, bits.int(), out=out.view(-1, 8))
-        return out
-    return out.copy_(unpack_bits(bits, out.shape))
 
 
 # -- what a recompute can skip: outputs no backward reads --------------------------------------------------------
@@ -541,7 +509,7 @@ class Record(TorchDispatchMode):
         if gen is None:
             self.masks = None  # one random op the recompute must draw: it draws them all (the generator replays)
             return
-        bits = pack_bits(out)
+        bits = pack_mask(out)
         handle = self.count(bits) if self.count is not None else None
         # the generator's state after the draw: the recompute sets it, so that what reads the generator later in
         # the block (a checkpoint nested in it) finds it as the forward did
@@ -748,9 +716,9 @@ class Replay(TorchDispatchMode):
                 raise Miss(f"random op {func} was not drawn in the forward: the generator must replay")
             _, _, bits, shape, gen, state, _ = entry
             if _MASK_OPS[func]:  # in place: the mask goes where the op would have drawn it
-                out = unpack_bits_into(args[0], bits)
+                out = unpack_mask(bits, args[0])
             else:
-                out = unpack_bits_into(torch.empty(shape, dtype=args[0].dtype, device=args[0].device), bits)
+                out = unpack_mask(bits, torch.empty(shape, dtype=args[0].dtype, device=args[0].device))
             if gen is torch.default_generator or (torch.cuda.is_initialized() and gen in torch.cuda.default_generators):
                 gen.set_state(state)  # where the forward's draw left it (the checkpoint restores defaults after)
             return out

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.kernels.act_ckpt import Block  # the bench's transformer block: pre-LN attention + MLP, dropout 0.1
 from fastzero import checkpointing
+from fastzero.ops.onebit import unpack_mask
 from fastzero.parallel import checkpointing as impl
 from fastzero.parallel import selective
 
@@ -72,7 +73,9 @@ def selective_wrap(ratio=1.25):
     return lambda b, h: checkpointing.checkpoint(b, h, policy=checkpointing.SelectivePolicy(ratio))
 
 
-def test_dropout_masks_are_kept_as_bits_and_the_recompute_draws_nothing():
+def test_dropout_masks_are_kept_as_bits_and_the_recompute_draws_nothing(monkeypatch):
+    unpacked = []
+    monkeypatch.setattr(selective, "unpack_mask", lambda bits, out: unpacked.append(bits) or unpack_mask(bits, out))
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block(16, 2) for _ in range(3))
     want = steps(blocks, lambda b, h: b(h))
@@ -80,7 +83,7 @@ def test_dropout_masks_are_kept_as_bits_and_the_recompute_draws_nothing():
     assert_same_grads(got, want)
     for _, _, ran, _ in got:
         assert "bernoulli_.float" not in ran  # every mask came back from its bits
-        assert ran.get("index_select.out") == 2 * 3  # two masks unpacked per block
+    assert len(unpacked) == 2 * 3 * len(got)  # two masks unpacked per block and step
 
 
 def test_the_recompute_skips_what_no_backward_reads_once_learned():
@@ -181,21 +184,6 @@ def test_blocks_that_cannot_be_planned_are_recomputed_whole(make):
     assert selective._PLANS and all(p is None for p in selective._PLANS.values())
     for _, _, ran, _ in got[1:]:
         assert ran["addmm.default"] == 2 * 2  # the last matmul, which nothing reads, still ran
-
-
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.bool])
-def test_bits_round_trip(n, dtype):
-    gen = torch.Generator().manual_seed(n)
-    mask = torch.rand(n, generator=gen) < 0.7
-    values = mask.to(dtype)
-    bits = selective.pack_bits(values)
-    assert bits.dtype == torch.uint8 and bits.numel() == -(-n // 8)
-    assert torch.equal(selective.unpack_bits(bits, values.shape), mask)
-    out = torch.full((n,), 5, dtype=dtype)
-    assert torch.equal(selective.unpack_bits_into(out, bits), values)
-    strided = torch.full((n, 2), 5, dtype=dtype)[:, 0]  # not contiguous: the general path
-    assert torch.equal(selective.unpack_bits_into(strided, bits), values)
 
 
 def test_a_new_block_at_a_freed_blocks_address_is_known_by_a_new_key():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fastzero.ops.backend import forced_backend
 from fastzero.ops.onebit import reference
 from fastzero.ops.onebit.backends import FAMILY
 
@@ -74,4 +75,50 @@ def unpack(
     return out
 
 
-__all__ = ["FAMILY", "pack", "reference", "unpack"]
+def pack_mask(mask: Tensor, *, backend: str | None = None) -> Tensor:
+    """A 0/1 mask (a dropout's) as bits: uint8 [ceil(numel / 8)], element i of
+    the mask (in its logical order) in bit ``i % 8`` of byte ``i // 8``; any
+    nonzero value reads as 1. The CPU backend packs contiguous fp32, fp16 and
+    bf16 masks in one SIMD pass; everything else (other dtypes, layouts, the
+    CUDA backends) takes the reference's few PyTorch ops, which run anywhere."""
+    bits = torch.empty((mask.numel() + 7) // 8, dtype=torch.uint8, device=mask.device)
+    _mask_impl(mask, backend).mask_pack(mask, bits)
+    return bits
+
+
+def unpack_mask(bits: Tensor, out: Tensor, *, backend: str | None = None) -> Tensor:
+    """Writes the 0/1 values :func:`pack_mask` packed into `out` (its shape,
+    dtype and device; ``out.numel()`` values) and returns it."""
+    if bits.dtype != torch.uint8 or bits.dim() != 1:
+        raise TypeError(
+            f"unpack_mask: bits must be a 1-D uint8 tensor (from pack_mask), got {bits.dtype} {bits.dim()}-D"
+        )
+    if bits.device != out.device:
+        raise ValueError(f"unpack_mask: bits on {bits.device} but out on {out.device}; put both on one")
+    if bits.numel() != (out.numel() + 7) // 8:
+        raise ValueError(
+            f"unpack_mask: {bits.numel()} bytes of bits hold {8 * bits.numel()} values; out has {out.numel()} "
+            "(pass the mask's own shape)"
+        )
+    _mask_impl(out, backend).mask_unpack(bits.contiguous(), out)
+    return out
+
+
+_MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_mask_native: list[bool] = []  # whether the CPU backend is the default (once known)
+
+
+def _mask_impl(t: Tensor, backend: str | None):
+    """The CPU backend's kernels where it is chosen and takes `t`; else the reference."""
+    if t.device.type != "cpu" or t.dtype not in _MASK_DTYPES or not t.is_contiguous():
+        return reference
+    if backend is None and _mask_native and forced_backend() is None:
+        native = _mask_native[0]
+    else:
+        native = FAMILY.choose("cpu", backend).backend == "cpu"
+        if backend is None and forced_backend() is None:
+            _mask_native[:] = [native]
+    return FAMILY.impl("cpu") if native else reference
+
+
+__all__ = ["FAMILY", "pack", "pack_mask", "reference", "unpack", "unpack_mask"]

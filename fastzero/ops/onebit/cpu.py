@@ -9,6 +9,18 @@ from torch import Tensor
 from fastzero.native import DTYPE_CODES, ISA_NAMES, cpu_isa, cpu_ops
 
 
+def mask_pack(mask: Tensor, bits: Tensor) -> None:
+    cpu_ops().mask_pack(
+        ISA_NAMES.index(cpu_isa()), mask.data_ptr(), DTYPE_CODES[mask.dtype], bits.data_ptr(), mask.numel(), 1
+    )
+
+
+def mask_unpack(bits: Tensor, out: Tensor) -> None:
+    cpu_ops().mask_unpack(
+        ISA_NAMES.index(cpu_isa()), bits.data_ptr(), out.data_ptr(), DTYPE_CODES[out.dtype], out.numel(), 1
+    )
+
+
 def onebit_pack(x: Tensor, error: Tensor, bits: Tensor, scales: Tensor, chunks: int) -> None:
     cpu_ops().onebit_pack(
         ISA_NAMES.index(cpu_isa()),

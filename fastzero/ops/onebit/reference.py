@@ -30,6 +30,35 @@ def unpack_signs(packed: Tensor) -> Tensor:
     return bits.reshape(*packed.shape[:-1], -1).to(torch.float32) * 2 - 1
 
 
+def mask_pack(mask: Tensor, bits: Tensor) -> None:
+    """`mask` (any dtype, any layout) as bits into `bits` (uint8, ceil(numel / 8)): bit i % 8 of byte i // 8 is
+    element i != 0, in the mask's logical order. Each 8 bytes of 0/1 read as one int64 are gathered into its top
+    byte by one multiply."""
+    b = (mask.reshape(-1) != 0).to(torch.uint8)
+    pad = -b.numel() % 8
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    bits.copy_(((b.view(torch.int64) * 0x0102040810204080) >> 56) & 255)
+
+
+_TABLES: dict[tuple, Tensor] = {}
+
+
+def mask_unpack(bits: Tensor, out: Tensor) -> None:
+    """The 0/1 values of `bits` into `out` (its shape and dtype, in its logical order): a contiguous float output
+    of a multiple of 8 values by one gather of 8-value rows from a 256-row table."""
+    if out.is_contiguous() and out.numel() % 8 == 0 and out.dtype.is_floating_point:
+        key = (out.dtype, out.device)
+        table = _TABLES.get(key)
+        if table is None:
+            rows = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+            table = _TABLES[key] = rows.to(dtype=out.dtype, device=out.device)
+        torch.index_select(table, 0, bits.int(), out=out.view(-1, 8))
+        return
+    values = (bits.unsqueeze(-1) & _BITS.to(bits.device)) != 0
+    out.copy_(values.view(-1)[: out.numel()].view(out.shape))
+
+
 def compress(x: Tensor, error: Tensor, chunks: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """(packed signs uint8 [numel / 8], scales fp32 [chunks], new error) for
     fp32 `x` and `error` whose numel is a multiple of 8 * chunks."""
