@@ -175,17 +175,18 @@ def _nbytes(out: Any) -> int:
 
 def _hashable(a: Any) -> Any:
     if isinstance(a, Tensor):
-        return (tuple(a.shape), a.dtype, a.stride(), a.device)
+        return (a.shape, a.dtype, a.stride(), a.device)  # a torch.Size hashes and compares as the tuple
     if isinstance(a, (tuple, list)):
-        return tuple(_hashable(x) for x in a)
+        return tuple([_hashable(x) for x in a])
     if isinstance(a, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in a.items()))
+        return tuple(sorted([(k, _hashable(v)) for k, v in a.items()]))
     return a
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
-    """What must match for a kept output to stand for a recomputed call."""
-    return _hashable(args), _hashable(kwargs)
+    """What must match for a kept output to stand for a recomputed call (every op of a planned recompute is
+    checked so: kept lean)."""
+    return tuple([_hashable(a) for a in args]), _hashable(kwargs) if kwargs else ()
 
 
 def _detached(out: Any) -> Any:
@@ -203,7 +204,7 @@ def _flat_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
         if isinstance(a, Tensor):
             out.append(a)
         elif isinstance(a, (tuple, list)):
-            out.extend(x for x in a if isinstance(x, Tensor))
+            out.extend([x for x in a if isinstance(x, Tensor)])
     return out
 
 
@@ -480,9 +481,10 @@ class Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        info = _info(func)
-        index = self.calls[func]
-        self.calls[func] += 1
+        info = _INFO.get(func) or _info(func)
+        calls = self.calls
+        index = calls[func]
+        calls[func] = index + 1
         chain = self.chain.step(func, info)
         if info.mutable and self.by_storage:  # a write through any alias changes a held output
             for t in _written(info, args, kwargs):
@@ -640,14 +642,15 @@ class Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        index = self.calls[func]
-        self.calls[func] += 1
-        info = _info(func)
+        calls = self.calls
+        index = calls[func]
+        calls[func] = index + 1
+        info = _INFO.get(func) or _info(func)
         chain = self.chain.step(func, info)
         if not self.track:
             return self._run(func, info, index, chain, args, kwargs)
         position = self.position
-        self.position += 1
+        self.position = position + 1
         top = _top_hooks(False)
         if top is None or top[0] is not self._pack:
             # saved-tensor hooks pushed inside the block (a torch.utils.checkpoint, save_on_cpu) save tensors
@@ -658,8 +661,8 @@ class Replay(TorchDispatchMode):
         tensors = _flat_tensors(args, kwargs)
         ptrs = [_storage(t) for t in tensors]
         producer = self.producer
-        reads = tuple(producer.get(p, -1) if p is not None else -1 for p in ptrs)
-        outside = tuple(t.requires_grad for t, r in zip(tensors, reads) if r < 0)
+        reads = tuple([producer.get(p, -1) if p is not None else -1 for p in ptrs])
+        outside = tuple([t.requires_grad for t, r in zip(tensors, reads) if r < 0])
         key = (func, _signature(args, kwargs), reads, outside)
         plan = self.plan
         if plan is not None:
@@ -672,19 +675,15 @@ class Replay(TorchDispatchMode):
                 if any(p in self.garbage for p in ptrs):
                     raise Miss(f"op {position} ({func}) reads an output the plan skipped")
         out = self._run(func, info, index, chain, args, kwargs)
-        single = isinstance(out, Tensor)
-        outs = (out,) if single else out if isinstance(out, (tuple, list)) else (out,)
-        made = [o for o in outs if isinstance(o, Tensor)]
+        if isinstance(out, Tensor):
+            outs: Any = (out,)
+            made = [out]
+        else:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            made = [o for o in outs if isinstance(o, Tensor)]
         made_ptrs = {_storage(o) for o in made}
         made_ptrs.discard(None)
         aliases = not made_ptrs.isdisjoint(ptrs)
-        fresh = (
-            bool(made)
-            and not aliases
-            and not info.mutable
-            and all(o is None or isinstance(o, Tensor) for o in outs)
-            and not _random(info, args, kwargs)
-        )
         if not aliases:  # new storages
             self.alive.extend(made)
             for q in made_ptrs:
@@ -692,6 +691,13 @@ class Replay(TorchDispatchMode):
             if plan is not None and position in plan.unread:
                 self.garbage |= made_ptrs  # computed from stand-ins: no later op reads it, autograd saves none
         if self.learn:
+            fresh = (
+                bool(made)
+                and not aliases
+                and not info.mutable
+                and all(o is None or isinstance(o, Tensor) for o in outs)
+                and not _random(info, args, kwargs)
+            )
             self._learn(func, info, index, args, kwargs, out, outs, key, reads, fresh, bool(made) and aliases)
         return out
 
