@@ -105,20 +105,20 @@ def unpack_mask(bits: Tensor, out: Tensor, *, backend: str | None = None) -> Ten
 
 
 _MASK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_mask_native: list[bool] = []  # whether the CPU backend is the default (once known)
+_cpu_default: list = []  # the module CPU tensors get by default, once chosen (called per mask: kept cheap)
 
 
 def _mask_impl(t: Tensor, backend: str | None):
-    """The CPU backend's kernels where it is chosen and takes `t`; else the reference."""
-    if t.device.type != "cpu" or t.dtype not in _MASK_DTYPES or not t.is_contiguous():
-        return reference
-    if backend is None and _mask_native and forced_backend() is None:
-        native = _mask_native[0]
+    """The CPU backend's kernels where that backend is chosen and takes `t`; else the reference. A named
+    backend is checked against `t`'s device as every op of the family checks it."""
+    if backend is None and forced_backend() is None:
+        if not _cpu_default:
+            _cpu_default.append(FAMILY.impl("cpu") if FAMILY.choose("cpu").backend == "cpu" else reference)
+        cpu = _cpu_default[0]
     else:
-        native = FAMILY.choose("cpu", backend).backend == "cpu"
-        if backend is None and forced_backend() is None:
-            _mask_native[:] = [native]
-    return FAMILY.impl("cpu") if native else reference
+        cpu = FAMILY.impl("cpu") if FAMILY.choose(t.device.type, backend).backend == "cpu" else reference
+    takes = t.device.type == "cpu" and t.dtype in _MASK_DTYPES and t.is_contiguous()
+    return cpu if takes else reference
 
 
 __all__ = ["FAMILY", "pack", "pack_mask", "reference", "unpack", "unpack_mask"]

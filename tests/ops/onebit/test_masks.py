@@ -85,6 +85,7 @@ def test_a_strided_output_gets_its_values_and_nothing_beside_them():
         (lambda: onebit.unpack_mask(torch.zeros(2, dtype=torch.uint8), torch.empty(17)), "hold 16 values"),
         (lambda: onebit.unpack_mask(torch.zeros(3, dtype=torch.uint8), torch.empty(16)), "the mask's own shape"),
         (lambda: onebit.pack_mask(torch.ones(8), backend="nonesuch"), "nonesuch"),
+        (lambda: onebit.pack_mask(torch.ones(8), backend="cuda"), "does not run"),
     ],
 )
 def test_bad_input_names_the_problem(call, match):
