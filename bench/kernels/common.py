@@ -39,13 +39,16 @@ def our_backends(device: str) -> list[tuple[str, str | None]]:
     return [("fastzero", None)] if device == "cpu" else [("fastzero_cuda", "cuda"), ("fastzero_triton", "triton")]
 
 
-def roofline(device: str, sizes: list[int], *, writes: bool = False) -> Provider:
+def roofline(device: str, sizes: list[int], *, writes: bool = False, codes: int | None = None) -> Provider:
     """The bandwidth probe over tensors of `sizes` elements: on the CPU the in-place stream of Adam's shape
-    (28 B per element), or for a kernel that mostly writes (`writes`) the write probe (4 B per element); on a
-    GPU a copy (8 B per element)."""
+    (28 B per element), for a kernel that mostly writes (`writes`) the write probe (4 B per element), or for
+    quantize (`codes`: its bit width) the probe of its traffic (read 4 B, write codes_bits / 8 B per element);
+    on a GPU a copy (8 B per element)."""
     n = sum(sizes)
     if device == "cuda":
         return Provider("roofline", "roofline", lambda: cuda_copy_roofline(n), bytes=8 * n)
+    if codes is not None:
+        return Provider("roofline", "roofline", lambda: narrow_roofline(sizes, codes), bytes=n * (4 + codes / 8))
     if writes:
         return Provider("roofline", "roofline", lambda: write_roofline(sizes), bytes=4 * n)
     return Provider("roofline", "roofline", lambda: stream_roofline(sizes), bytes=28 * n)
@@ -96,6 +99,49 @@ def write_roofline(sizes: list[int]) -> Runner:
             assert bool((t == 0.5).all()), "the write probe left other values"
 
     return Runner(step=step, check=check)
+
+
+STREAM_CODES_BYTES = 1 << 20  # csrc/cpu/quant.cpp's kStreamCodesBytes: larger codes bypass the cache
+
+
+def narrow_roofline(sizes: list[int], bits: int) -> Runner:
+    """The CPU probe of quantize's traffic: fp32 tensors of the case's sizes
+    read once and a code written per value (bits 8: a byte; 4: a nibble),
+    stored as quantize stores its codes (cache-bypassing from
+    STREAM_CODES_BYTES of codes), with no arithmetic to speak of. Quantize
+    reads four bytes for each it writes; on a CPU one read stream per core
+    can be well below the in-place probe's mixed traffic, so that probe is not
+    this kernel's ceiling."""
+    ops, isa = cpu_kernels()
+    xs = [torch.empty(n).uniform_(-1, 1) for n in sizes]
+    outs = [torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.uint8) for n in sizes]
+    nt = sum(o.numel() for o in outs) >= STREAM_CODES_BYTES
+
+    def step():
+        ops.stream_narrow(
+            isa, [t.data_ptr() for t in xs], [t.data_ptr() for t in outs], sizes, bits, nt, torch.get_num_threads()
+        )
+
+    def check():
+        for o in outs:
+            o.fill_(0x55)
+        step()
+        for x, o in zip(xs, outs):
+            assert torch.equal(o, narrow_codes(x, bits)), "the quantize-shaped probe wrote other codes"
+
+    return Runner(step=step, check=check)
+
+
+def narrow_codes(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """What narrow_roofline writes for fp32 x: its bit patterns as int32, clamped to the code range (uint8)."""
+    lim = 127 if bits == 8 else 7
+    q = x.view(torch.int32).clamp(-lim, lim).to(torch.uint8)
+    if bits == 8:
+        return q
+    q = q & 0xF
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    return q[0::2] | (q[1::2] << 4)
 
 
 def cuda_copy_roofline(numel: int) -> Runner:

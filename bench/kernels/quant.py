@@ -20,10 +20,13 @@ group size is 2048 for weights; 256 is the finer, harder case):
 
 Providers: fastzero's CPU kernel (``--device cuda``: the ``cuda`` and ``triton``
 backends), the ``reference`` backend as the peer, and the bandwidth probe of
-bench/kernels/common.py over N elements (CPU: the in-place stream for
-quantize, the write probe for the dequantize cases, which mostly write; GPU:
-a copy). Every provider is first checked against the reference: codes,
-scales and values equal to the bit.
+bench/kernels/common.py over N elements. CPU: for quantize the probe of its
+own traffic (read the fp32 values, write a code per value with the same
+stores, no arithmetic), since a pass that mostly reads one stream per core
+gets only about 0.6-0.7 of the in-place stream's bandwidth here; for the
+dequantize cases, which mostly write, the write probe. GPU: a copy. Every
+provider is first checked against the reference: codes, scales and values
+equal to the bit.
 
 Sizes: 1M, 16M, 64M (GPU: and 256M); ``--quick``: 1M and 4M (GPU 1M and 16M).
 Gated rows: fastzero's fraction of the roofline (a same-run ratio). Not in
@@ -159,7 +162,7 @@ def cases(sizes=None, dtypes=None, quick=False, device="cpu") -> list[Case]:
             provs = [Provider(p, "ours", functools.partial(make, b or "cpu", device)) for p, b in our_backends(device)]
             if not sr:
                 provs.append(Provider("reference", "peer", functools.partial(make, "reference", device)))
-            provs.append(roofline(device, [n], writes=op != "quantize"))
+            provs.append(roofline(device, [n], writes=op != "quantize", codes=bits if op == "quantize" else None))
             if op == "quantize":
                 name, own = f"quantize-{'sr-' if sr else ''}int{bits}-fp32-{_fmt(n)}", quantize_bytes(n, bits)
                 how = ", rounding stochastically" if sr else ""

@@ -229,6 +229,18 @@ void stream_fill(int isa, const std::vector<uintptr_t>& a, const std::vector<int
   fz::stream_fill(checked, a, numel, float(s), nt, num_threads);
 }
 
+void stream_narrow(int isa, const std::vector<uintptr_t>& x, const std::vector<uintptr_t>& out,
+                   const std::vector<int64_t>& numel, int bits, bool nt, int num_threads) {
+  if (x.size() != numel.size() || out.size() != numel.size())
+    throw std::invalid_argument("stream_narrow: tensor lists differ in length");
+  if (bits != 8 && bits != 4) throw std::invalid_argument("stream_narrow: bits must be 8 or 4");
+  for (int64_t k : numel)
+    if (k < 0) throw std::invalid_argument("stream_narrow: negative element count");
+  const fz::Isa checked = checked_isa(isa);
+  py::gil_scoped_release release;
+  fz::stream_narrow(checked, x, out, numel, bits, nt, num_threads);
+}
+
 void check_quant_format(const char* op, int64_t n, int64_t block, int bits, int dtype) {
   if (n < 0 || block < 1) throw std::invalid_argument(std::string(op) + ": need n >= 0 and block >= 1");
   if (bits != 8 && !(bits == 4 && block % 2 == 0))
@@ -291,6 +303,8 @@ PYBIND11_MODULE(_cpu_ops, m) {
         "Block-wise dequantize, summed over ranks in fp32 (ranks = 1: plain dequantize).");
   m.def("stream_fill", &stream_fill,
         "Write-bandwidth probe: a[:] = s over lists of fp32 tensors (cache-bypassing stores if nt).");
+  m.def("stream_narrow", &stream_narrow,
+        "Quantize-shaped probe: fp32 tensors to int8 (bits 8) or packed int4 codes of their bit patterns.");
   m.def("stream_update", &stream_update,
         "Bandwidth probe: a += s*b, c += s*b, d += s*b over lists of fp32 tensors.");
 }

@@ -34,4 +34,16 @@ bool stream_fill(Isa isa, const std::vector<uintptr_t>& a, const std::vector<int
   return true;
 }
 
+bool stream_narrow(Isa isa, const std::vector<uintptr_t>& x, const std::vector<uintptr_t>& out,
+                   const std::vector<int64_t>& numel, int bits, bool nt, int num_threads) {
+  const auto fn = FZ_ISA_PICK(isa, narrow_segment);
+  if (fn == nullptr) return false;
+  // chunk offsets are multiples of kChunkElements (even): int4 chunks start on a byte
+  for_each_segment(numel, num_threads, [&](size_t t, int64_t off, int64_t len) {
+    fn(reinterpret_cast<const float*>(x[t]) + off, reinterpret_cast<uint8_t*>(out[t]) + off * bits / 8, len, bits,
+       nt);
+  });
+  return true;
+}
+
 }  // namespace fz

@@ -21,4 +21,11 @@ bool stream_update(Isa isa, const std::vector<uintptr_t>& a, const std::vector<u
 bool stream_fill(Isa isa, const std::vector<uintptr_t>& a, const std::vector<int64_t>& numel, float s, bool nt,
                  int num_threads);
 
+// out = codes of x over lists of fp32 tensors (bits 8: a byte per value; 4:
+// a nibble), cache-bypassing stores when `nt`: the probe of quantize's
+// traffic (stream_kernel.inc's narrow_segment). Returns false if `isa` was
+// not built.
+bool stream_narrow(Isa isa, const std::vector<uintptr_t>& x, const std::vector<uintptr_t>& out,
+                   const std::vector<int64_t>& numel, int bits, bool nt, int num_threads);
+
 }  // namespace fz
