@@ -7,9 +7,11 @@
 #include <cstring>
 
 // The Python-facing interface of the extension (bindings.cpp): bumped whenever
-// a binding's arguments change, so that a stale prebuilt extension is rebuilt
-// instead of failing with a pybind TypeError (fastzero/native/abi.py agrees).
-#define FZ_CPU_ABI_VERSION 6
+// a binding is added or its arguments change, so that a stale prebuilt
+// extension is rebuilt instead of failing with a pybind TypeError or a missing
+// attribute (fastzero/native/abi.py agrees). 7: mask_pack, mask_unpack,
+// stream_narrow.
+#define FZ_CPU_ABI_VERSION 7
 
 namespace fz {
 

@@ -27,7 +27,7 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 
 # FZ_CPU_ABI_VERSION (csrc/cpu/common.h): a prebuilt extension of another
 # version (a stale build) is passed over for a just-in-time build.
-CPU_ABI_VERSION = 6
+CPU_ABI_VERSION = 7
 
 # FZ_CUDA_ABI_VERSION: a library speaking another version is refused.
 CUDA_ABI_VERSION = 8
