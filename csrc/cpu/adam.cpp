@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <immintrin.h>
+#include <type_traits>
 
 #include "parallel.h"
 

@@ -304,6 +304,69 @@ def test_special_values_to_the_bit(isa):
     assert torch.isnan(a[4][0][1]) and torch.isnan(a[5][0][2]) and a[4][0][0] == 0
 
 
+def _carrying_code_subnormals(code, r_of, fits):
+    """Elements i (> 0) and values y in the code's subnormal range whose
+    truncated encoding t (20 bits below the code's last) reads 2^20 - 1 after
+    adding r_of[i] * 16, with half a unit of t dropped: rounding t to nearest
+    instead of truncating it would carry into the next code. `fits(y)` gives a
+    grad that makes y (or None)."""
+    found = []
+    for i in range(1, r_of.numel()):
+        low = ((1 << 20) - 1 - 16 * int(r_of[i])) % (1 << 20)
+        for top in range(4, 8):  # t in [2^22, 2^23): y in [2^(emin - 1), 2^emin)
+            t = (top << 20) + low
+            g = fits((t + 0.5) * 2.0 ** (code.emin - 23))
+            if g is not None:
+                found.append((i, t, g))
+                break
+    return found
+
+
+def test_encode_truncates_below_the_codes_subnormal_step(isa):
+    """The codes' rule truncates y * 2^(23 - emin) before adding the random
+    bits. Values made so that rounding it to nearest would carry into the next
+    code (beta1 = beta2 = 0: the new exp_avg is the grad, exp_avg_sq its
+    square; the block's max is 1): the kernel's codes are the reference's."""
+    n, seed, step = 256, 7, 1
+    rm, rv = reference.sr_bits(seed, step, torch.arange(n))
+    f32 = lambda y: torch.tensor(y, dtype=F32)  # noqa: E731
+
+    def square_root_of(y):  # an fp32 g with fl(g * g) == y, if one exists
+        g0 = torch.tensor(y**0.5, dtype=F32)
+        for d in range(-2, 3):
+            g = (g0.view(torch.int32) + d).view(F32)
+            if torch.equal(g * g, f32(y)):
+                return float(g)
+        return None
+
+    m_cases = _carrying_code_subnormals(EXP_AVG, rm, lambda y: y)[:24]
+    v_cases = [c for c in _carrying_code_subnormals(EXP_AVG_SQ, rv, square_root_of) if c[0] > 128][:24]
+    assert len(m_cases) >= 8 and len(v_cases) >= 8
+    g = 0.5 * torch.rand(n) * torch.exp2(-torch.randint(0, 30, (n,)).float())
+    g[0] = 1.0
+    m_at = [i for i, _, _ in m_cases if i <= 128]
+    for i, _, y in m_cases:
+        if i <= 128:
+            g[i] = y
+    for i, _, root in v_cases:
+        g[i] = root
+    hyper = dict(lr=1e-3, beta1=0.0, beta2=0.0, weight_decay=0.0)
+    a = [[torch.randn(n)], [g], [torch.zeros(n, dtype=U8)], [torch.zeros(n, dtype=U8)]]
+    a += [[torch.zeros(1)], [torch.zeros(1)]]
+    b = clone(a)
+    for t, run in ((a, cpu_adam_step), (b, reference.adam_step)):
+        kw = dict(exp_avg_absmax=t[4], exp_avg_sq_absmax=t[5], state_format="int8", seed=seed)
+        run(*t[:4], step=step, **kw, **hyper)
+    check_same(a, b)
+    assert a[4][0][0] == 1 and a[5][0][0] == 1
+    m_codes, v_codes = b[2][0].long(), b[3][0].long()
+    for i, t, _ in m_cases:  # the premise: the reference truncated, with these random bits
+        if i in m_at:
+            assert m_codes[i] == (t + 16 * int(rm[i])) >> 20
+    for i, t, _ in v_cases:
+        assert v_codes[i] == (t + 16 * int(rv[i])) >> 20
+
+
 def test_found_inf_skips_and_changes_nothing(isa, seeded):
     model = make_model()
     opt = CPUAdam(model.parameters(), lr=1e-2, state_format="int8")
