@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastzero.comm.collectives import reduce_scatter_by_all_to_all
 from fastzero.parallel.groups import group_rank, group_size, tensor_group
 
 # torch 2.13 renamed the tensor collectives; older torch has only the old names (as fastzero.comm.collectives)
@@ -102,6 +103,15 @@ def _reduce_scatter(x: Tensor, dim: int, group, what: str, async_op: bool = Fals
     chunk = _chunk(x, dim, world, what)
     front = x.movedim(dim, 0).contiguous()
     work = None
+    if dist.get_backend(group) == "gloo":  # Gloo's own reduce-scatter is the slow path (docs/zero.md)
+        out = torch.empty((chunk, *front.shape[1:]), dtype=x.dtype, device=x.device)
+        work, summed = reduce_scatter_by_all_to_all(out, front, group, async_op=async_op)
+
+        def finish_gloo() -> Tensor:
+            summed()
+            return out.movedim(0, dim).contiguous()
+
+        return (work, finish_gloo) if async_op else finish_gloo()
     if _native_reduce_scatter:
         out = torch.empty((chunk, *front.shape[1:]), dtype=x.dtype, device=x.device)
         try:
