@@ -270,6 +270,7 @@ class Stage3Group(ZeroGroup):
             self._partition(unit, lay)
             self.units.append(unit)
         self.on_released = None  # set by the fetcher: a unit's gradient is out
+        self.on_changed = None  # set by the fetcher: the shards changed
 
     def _partition(self, unit: Unit, lay: FlatLayout) -> None:
         p = unit.param
@@ -334,9 +335,12 @@ class Stage3Group(ZeroGroup):
 
     def invalidate(self) -> None:
         """The shards changed (the step, a checkpoint load, a reload): what
-        was kept of the old values (hpZ's secondary pieces) is stale."""
+        was kept of the old values is stale: hpZ's secondary pieces, and any
+        param still whole from before (the fetcher releases or regathers it)."""
         for u in self.units:
             u.invalidate()
+        if self.on_changed is not None:
+            self.on_changed(self)
 
     def pieces_in(self, optimizer, opt_params, saved, keys=None) -> None:
         super().pieces_in(optimizer, opt_params, saved, keys)
@@ -460,6 +464,7 @@ class ParamFetcher:
         self.unit_of.update({id(u.param): u for u in self.frozen})
         for g in groups:
             g.on_released = self._released
+            g.on_changed = self._shards_changed
         self.needs: dict[torch.nn.Module, list[Unit]] = {}
         self.names = {m: n for n, m in module.named_modules()}
         for m in module.modules():
@@ -630,6 +635,23 @@ class ParamFetcher:
     def _released(self, u: Unit) -> None:
         if u.refs == 0:
             self._release(u)
+
+    def _shards_changed(self, group: Stage3Group) -> None:
+        """The step or a load wrote `group`'s shards: a param still whole from
+        before holds the old values (prefetched or kept for reuse by a
+        forward that no backward followed, e.g. an evaluation between
+        backward and step). Released; gathered again where something holds
+        it (``GatheredParameters``)."""
+        stale = [u for u in group.units if u.gathered and not u.persistent]
+        for u in stale:
+            if u.refs == 0:
+                self._release(u)
+        held = [u for u in stale if u.gathered]
+        for u in held:
+            u.wait()
+            u.handle = u.refresh(exact=True)
+        for u in held:
+            u.wait()
 
     def end_backward(self) -> None:
         """After a micro-batch: everything non-persistent is released (the

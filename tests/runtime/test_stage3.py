@@ -207,3 +207,62 @@ def test_live_elements_return_to_zero_with_persistent_params():
     with engine.gathered():
         assert engine.fetcher.live > 0
     assert engine.fetcher.live == 0
+
+
+def _train_steps(engine, data, evaluate=None):
+    """Losses of one step per batch; `evaluate`: a batch for a no_grad
+    forward between each backward and its step."""
+    losses = []
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        if evaluate is not None:
+            with torch.no_grad():
+                engine(evaluate)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("zero", [PREFETCH, dict(stage3_param_persistence_threshold=100)], ids=["prefetch", "reuse"])
+def test_an_evaluation_between_backward_and_step_changes_no_loss(zero):
+    """A forward that no backward follows leaves params whole (prefetched,
+    or kept for reuse); the step must not leave them holding the old
+    values for the next forward."""
+    data = batches(5)
+    runs = []
+    for evaluate in (None, data[0][0]):
+        torch.manual_seed(0)
+        engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization=dict(stage=3, **zero)))
+        runs.append(_train_steps(engine, data, evaluate))
+    assert runs[0] == runs[1]
+
+
+def test_a_load_after_an_evaluation_forward_computes_with_the_loaded_weights(tmp_path):
+    data = batches(4)
+    zero = dict(stage=3, **PREFETCH)
+    torch.manual_seed(0)
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization=zero))
+    _train_steps(engine, data[:2])
+    engine.save_checkpoint(str(tmp_path), tag="two")
+    want = _train_steps(engine, data[2:])
+    with torch.no_grad():
+        engine(data[0][0])  # leaves prefetched params whole
+    engine.load_checkpoint(str(tmp_path), tag="two")
+    assert _train_steps(engine, data[2:]) == want
+
+
+def test_a_load_inside_gathered_parameters_shows_the_loaded_weights(tmp_path):
+    """Params held whole by GatheredParameters when a load writes the
+    shards are gathered again: inside the block they read as loaded."""
+    data = batches(3)
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization=dict(stage=3, **PREFETCH)))
+    _train_steps(engine, data[:1])
+    with engine.gathered():
+        saved = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.save_checkpoint(str(tmp_path), tag="one")
+    _train_steps(engine, data[1:])
+    with fastzero.zero.GatheredParameters(list(engine.module.parameters())):
+        engine.load_checkpoint(str(tmp_path), tag="one")
+        for n, p in engine.module.named_parameters():
+            assert torch.equal(p, saved[n]), n
