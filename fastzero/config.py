@@ -129,7 +129,7 @@ class ZeroConfig:
     zero_quantized_nontrainable_weights: bool = _opt(False, "bool")
     # fastzero's: values per fp32 scale for both (even, for int4), the gradients' width and rounding
     zero_quantized_block_size: int = _opt(256, "int", low=2)
-    zero_quantized_gradients_bits: int = _opt(4, "int", low=4, high=8)
+    zero_quantized_gradients_bits: int = _opt(4, "int")  # 4 or 8: _check_zeropp says so
     zero_quantized_gradients_rounding: str = _opt("stochastic", "choice", choices=("stochastic", "nearest"))
 
 

@@ -339,6 +339,8 @@ def test_without_hjson_a_non_json_file_says_how_to_read_it(tmp_path, monkeypatch
             r"zero_quantized_block_size = 255 with int4 gradients: .* blocks must be even",
         ),
         ({"stage": 3, "zero_quantized_gradients_bits": 5}, 4, r"must be 4 \(int4\) or 8 \(int8\)"),
+        ({"stage": 3, "zero_quantized_gradients_bits": 2}, 4, r"must be 4 \(int4\) or 8 \(int8\)"),
+        ({"stage": 3, "zero_quantized_gradients_bits": 16}, 4, r"must be 4 \(int4\) or 8 \(int8\)"),
         ({"stage": 3, "zero_quantized_gradients_rounding": "up"}, 4, r"must be one of stochastic, nearest"),
         ({"stage": 2, "zero_quantized_nontrainable_weights": True}, 4, r"needs stage 3"),
     ],

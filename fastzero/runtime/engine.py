@@ -204,6 +204,7 @@ class Engine(torch.nn.Module):
                 check=self._order_check() if zero.stage3_check_divergence else None,
                 frozen=self._frozen_codes(zero),
             )
+            self._warn_idle_zeropp(zero)
         else:
             self.groups = [
                 FlatGroup(
@@ -344,7 +345,40 @@ class Engine(torch.nn.Module):
         if size > 1 and size < self.comm.world_size:
             first = self.comm.rank // size * size
             hpz = Comm(new_groups([list(self.comm.ranks[first : first + size])])[0])
+        elif size > 1:
+            warnings.warn(
+                f"zero_optimization.zero_hpz_partition_size = {size} is the whole data-parallel group "
+                f"({self.comm.world_size} ranks): a secondary partition over it is the primary one, so hpZ does "
+                "nothing; set it to the ranks per node",
+                UserWarning,
+                3,
+            )
         return ZeroPP(weights, grads, hpz)
+
+    def _warn_idle_zeropp(self, zero) -> None:
+        """Stage 3's qwZ and hpZ act on partitioned params only, the frozen codes on frozen params of at least
+        stage3_param_persistence_threshold elements: say so when there are none, where they would do nothing."""
+        idle = []
+        if not any(not u.persistent for g in self.groups for u in g.units):
+            idle += [
+                k
+                for k, v in (
+                    ("zero_quantized_weights", self.zeropp.weights),
+                    ("zero_hpz_partition_size", self.zeropp.hpz),
+                )
+                if v is not None
+            ]
+        if zero.zero_quantized_nontrainable_weights and not self.fetcher.frozen:
+            idle.append("zero_quantized_nontrainable_weights")
+        if idle:
+            warnings.warn(
+                f"zero_optimization.{' and '.join(idle)} at stage 3: {'it acts' if len(idle) == 1 else 'they act'} "
+                f"on params of at least stage3_param_persistence_threshold ({zero.stage3_param_persistence_threshold}"
+                " elements; frozen ones for zero_quantized_nontrainable_weights), smaller ones stay whole on every "
+                "rank, and this model has none: nothing is quantized or kept; lower the threshold",
+                UserWarning,
+                3,
+            )
 
     def comms(self) -> list[Comm]:
         """Every group this engine communicates over, each once: the

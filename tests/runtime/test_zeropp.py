@@ -198,3 +198,21 @@ def test_over_the_data_axis_of_a_tensor_parallel_model(tmp_path):
         losses, twin = torch.tensor(got["losses"]), torch.tensor(got["twin_losses"])
         assert not torch.equal(losses, twin)  # quantized: not the exact run
         torch.testing.assert_close(losses, twin, rtol=2e-2, atol=0)
+
+
+def test_parts_that_would_do_nothing_say_so(tmp_path):
+    """qwZ and hpZ with every param under the persistence threshold, and an
+    hpZ group as big as the data-parallel group, are accepted (as DeepSpeed
+    does) but warn that they do nothing, naming the fix."""
+    runs = [
+        dict(stage=3, steps=1, persist=10**9, zero=ALL),
+        dict(stage=3, steps=1, zero=dict(zero_hpz_partition_size=4)),
+    ]
+    idle, whole = train(tmp_path, runs)
+    for r in idle:
+        said = [w for w in r["init_warnings"] if "stage3_param_persistence_threshold" in w]
+        assert len(said) == 1 and "zero_quantized_weights and zero_hpz_partition_size" in said[0]
+        assert "lower the threshold" in said[0]
+    for r in whole:
+        assert any("hpZ does nothing" in w and "ranks per node" in w for w in r["init_warnings"])
+        assert "hpz_params" not in r["memory"]

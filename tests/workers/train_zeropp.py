@@ -10,6 +10,7 @@ group the engine communicates over."""
 import json
 import sys
 import time
+import warnings
 
 import torch
 
@@ -75,7 +76,9 @@ def train(run: dict) -> None:
     model = make_model(run.get("hidden", 64), run.get("layers", 2))
     for name, p in model.named_parameters():  # "freeze": names containing any of these train no more (LoRA-like)
         p.requires_grad_(not any(part in name for part in run.get("freeze", ())))
-    engine, *_ = fastzero.initialize(model=model, config=config(run))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = fastzero.initialize(model=model, config=config(run))
     rank, world, gas = engine.comm.rank, engine.comm.world_size, engine.gradient_accumulation_steps()
     node_of = {r: k for k, ranks in enumerate(node_ranks(engine.comm)) for r in ranks}
     steps, start, losses = run.get("steps", 10), run.get("start", 0), []
@@ -118,6 +121,7 @@ def train(run: dict) -> None:
             nodes=node_of,
             state_dict={k: v.float() for k, v in engine.state_dict().items()},
             seen_in_gathered_parameters=seen,
+            init_warnings=[str(w.message) for w in caught],
         ),
         f"{run['out']}.rank{rank}.pt",
     )
