@@ -83,7 +83,9 @@ def _wants(t: Tensor | None) -> Tensor | None:
 
 
 class _DeferredLinear(torch.autograd.Function):
-    # `params`: the weight and bias params, out of the graph (a tuple is no input): B gives them no gradient
+    # `params`: the weight and bias params. `w` and `b` are them too, as inputs, so that the output needs a
+    # gradient even where `x` does not (a stage's first layer on the raw batch: without, no backward would run
+    # and its weight gradient would be lost); B gives them None, W their gradient.
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None, params: tuple) -> Tensor:
         ctx.save_for_backward(x, w)
@@ -135,9 +137,9 @@ class DeferWeightGrads(TorchFunctionMode):
                 w = args[1] if len(args) > 1 else kwargs["weight"]
                 b = args[2] if len(args) > 2 else kwargs.get("bias")
                 if (params := _split(w, b)) is not None:
-                    return _DeferredLinear.apply(x, w.detach(), None if b is None else b.detach(), params)
+                    return _DeferredLinear.apply(x, w, b, params)
             elif func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
                 b, x, w = args
                 if (params := _split(w, b)) is not None:
-                    return _DeferredAddmm.apply(b.detach(), x, w.detach(), params)
+                    return _DeferredAddmm.apply(b, x, w, params)
         return func(*args, **kwargs)
