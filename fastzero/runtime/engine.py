@@ -50,13 +50,16 @@ from fastzero.runtime.onebit_base import OneBitBase
 from fastzero.runtime.optimizer_builder import build_optimizer
 from fastzero.runtime.partition import FlatGroup
 from fastzero.runtime.stage3 import (
+    FrozenShard,
     FrozenUnit,
     ParamFetcher,
     Stage3Group,
     ZeroPP,
+    check_init_ranks,
     external_params,
     is_partitioned,
     refresh_persistent,
+    take_init_shard,
 )
 
 
@@ -202,7 +205,7 @@ class Engine(torch.nn.Module):
                 max_live=zero.stage3_max_live_parameters,
                 max_reuse=zero.stage3_max_reuse_distance,
                 check=self._order_check() if zero.stage3_check_divergence else None,
-                frozen=self._frozen_codes(zero),
+                frozen=self._frozen_units(zero),
             )
             self._warn_idle_zeropp(zero)
         else:
@@ -368,7 +371,7 @@ class Engine(torch.nn.Module):
                 )
                 if v is not None
             ]
-        if zero.zero_quantized_nontrainable_weights and not self.fetcher.frozen:
+        if zero.zero_quantized_nontrainable_weights and not any(isinstance(u, FrozenUnit) for u in self.fetcher.frozen):
             idle.append("zero_quantized_nontrainable_weights")
         if idle:
             warnings.warn(
@@ -388,19 +391,26 @@ class Engine(torch.nn.Module):
         out = [self.comm, self.world_comm, self.tensor_comm, self.pipe_comm, *self.zeropp.comms()]
         return list({id(c): c for c in out if c is not None}.values())
 
-    def _frozen_codes(self, zero) -> list[FrozenUnit]:
-        """``zero_quantized_nontrainable_weights``: stage 3's frozen floating
-        params (those at least ``stage3_param_persistence_threshold``
-        elements: smaller ones stay as they are, as small trained ones stay
-        whole) kept as int8 codes, dequantized for the modules that use them."""
-        if not zero.zero_quantized_nontrainable_weights:
-            return []
-        fmt = QuantFormat(8, zero.zero_quantized_block_size)
-        return [
-            FrozenUnit(p, name, fmt)
-            for name, p in self.module.named_parameters()
-            if not p.requires_grad and p.is_floating_point() and p.numel() >= zero.stage3_param_persistence_threshold
-        ]
+    def _frozen_units(self, zero) -> list[FrozenUnit | FrozenShard]:
+        """Stage 3's frozen params that the fetcher gathers for the modules
+        that use them: those ``fastzero.zero.Init`` partitioned stay
+        partitioned (:class:`FrozenShard`); with
+        ``zero_quantized_nontrainable_weights``, the other floating ones of at
+        least ``stage3_param_persistence_threshold`` elements (smaller ones
+        stay as they are, as small trained ones stay whole) are kept as int8
+        codes (:class:`FrozenUnit`)."""
+        fmt = QuantFormat(8, zero.zero_quantized_block_size) if zero.zero_quantized_nontrainable_weights else None
+        out: list[FrozenUnit | FrozenShard] = []
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                continue
+            shard = take_init_shard(p)
+            if shard is not None:
+                check_init_ranks(name, p, self.comm)
+                out.append(FrozenShard(p, name, self.comm, shard))
+            elif fmt is not None and p.is_floating_point() and p.numel() >= zero.stage3_param_persistence_threshold:
+                out.append(FrozenUnit(p, name, fmt))
+        return out
 
     @contextlib.contextmanager
     def _frozen_whole(self):
@@ -770,7 +780,9 @@ class Engine(torch.nn.Module):
         buffers. ZeRO++ (docs/zeropp.md): ``hpz_params``, hpZ's secondary
         pieces; ``frozen_codes``, frozen params kept as int8 codes (and any
         dequantized now); qwZ at stages 1-2 adds the exact shard to
-        ``params``. The values add up to the rank's model-state bytes."""
+        ``params``. ``frozen_params``: the chunks of frozen params that
+        ``fastzero.zero.Init`` partitioned (and any gathered now). The values
+        add up to the rank's model-state bytes."""
         nbytes = lambda t: t.numel() * t.element_size()
         out = dict(params=0, grads=0, grad_buckets=0, master=0, optimizer=0)
         if self.onebit:  # error feedback: the optimizer's (stage 0) and the groups' (stage 1, added below)
@@ -790,7 +802,11 @@ class Engine(torch.nn.Module):
             out["master"] += masters()
         frozen = [] if self.fetcher is None else self.fetcher.frozen
         if frozen:  # zero_quantized_nontrainable_weights: the codes, and any frozen param dequantized now
-            out["frozen_codes"] = sum(u.packed.numel() + (0 if u.full is None else nbytes(u.full)) for u in frozen)
+            codes = [u for u in frozen if isinstance(u, FrozenUnit)]
+            if codes:
+                out["frozen_codes"] = sum(u.packed.numel() + (0 if u.full is None else nbytes(u.full)) for u in codes)
+            if len(codes) < len(frozen):  # FrozenShard: frozen params zero.Init partitioned
+                out["frozen_params"] = sum(u.nbytes() for u in frozen if isinstance(u, FrozenShard))
         return out
 
     def gathered(self):

@@ -108,6 +108,75 @@ class FrozenUnit:
         pass
 
 
+class FrozenShard:
+    """A frozen param that ``fastzero.zero.Init`` partitioned: it stays
+    partitioned (frozen weights are often the bulk of a model built under
+    Init, as in fine-tuning adapters), and the fetcher gathers it whole and
+    exact for the modules that use it and releases it after, as it does a
+    trained one; it has no gradient and no optimizer state. A write to
+    `full` while it is whole (a checkpoint load, ``GatheredParameters``) is
+    kept: each rank takes its chunk back into `shard` at release."""
+
+    persistent = False
+    exact = True
+
+    def __init__(self, param: Tensor, name: str, comm: Comm, shard: Tensor) -> None:
+        self.param, self.name, self.comm = param, name, comm
+        self.shard = shard.to(device=param.device, dtype=param.dtype)  # the engine's dtype, as the trained ones'
+        self.shape = logical_shape(param)
+        self.numel = shard.numel() * comm.world_size
+        self.full: Tensor | None = None
+        self.handle = None
+        self.refs, self._version = 0, 0
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None
+
+    def start_gather(self, exact: bool = False) -> None:
+        if self.full is None:
+            self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
+            self.handle = self.refresh()
+
+    def refresh(self, exact: bool = False):
+        return self.comm.all_gather(self.full, self.shard, f"param:{self.name}")
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            self._version = self.full._version
+            self.param.data = self.full[: self.shape.numel()].view(self.shape)
+
+    def release(self) -> None:
+        if self.full is None:
+            return
+        self.wait()
+        if self.full._version != self._version:  # written while whole: keep the edit, as this rank's chunk
+            size = self.shard.numel()
+            self.shard.copy_(self.full[self.comm.rank * size : (self.comm.rank + 1) * size])
+        self.param.data = released_like(self.param)
+        self.full = None
+
+    def invalidate(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size() + (0 if self.full is None else self.full.nbytes)
+
+
+def check_init_ranks(name: str, p: Tensor, comm: Comm) -> None:
+    """A param ``fastzero.zero.Init`` partitioned over other ranks than the engine's data-parallel group is refused."""
+    ranks = p.__dict__.pop("_fz_init_ranks", None)
+    if ranks is not None and list(ranks) != list(comm.ranks):
+        raise ValueError(
+            f"{name} was partitioned by fastzero.zero.Init over ranks {list(ranks)}, but the engine "
+            f"partitions over its data-parallel group, ranks {list(comm.ranks)}: build the model under "
+            "zero.Init over the same group (make the topology current first, or pass Init(mpu=...) or "
+            "data_parallel_group=)"
+        )
+
+
 @dataclass(frozen=True)
 class ZeroPP:
     """ZeRO++ at stage 3: `weights` (qwZ: gathers in int8 codes), `grads`
@@ -275,15 +344,8 @@ class Stage3Group(ZeroGroup):
     def _partition(self, unit: Unit, lay: FlatLayout) -> None:
         p = unit.param
         pre = take_init_shard(p)  # partitioned at construction by fastzero.zero.Init
-        ranks = p.__dict__.pop("_fz_init_ranks", None)
-        if pre is not None and ranks is not None and list(ranks) != list(self.comm.ranks):
-            raise ValueError(
-                f"{unit.name} was partitioned by fastzero.zero.Init over ranks {list(ranks)}, but the engine "
-                f"partitions over its data-parallel group, ranks {list(self.comm.ranks)}: build the model under "
-                "zero.Init over the same group (make the topology current first, or pass Init(mpu=...) or "
-                "data_parallel_group=)"
-            )
         if pre is not None:
+            check_init_ranks(unit.name, p, self.comm)
             unit.shard.copy_(pre)
         else:
             lo, hi = lay.buckets[0].owned(self.comm.rank)

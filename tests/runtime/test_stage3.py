@@ -266,3 +266,24 @@ def test_a_load_inside_gathered_parameters_shows_the_loaded_weights(tmp_path):
         engine.load_checkpoint(str(tmp_path), tag="one")
         for n, p in engine.module.named_parameters():
             assert torch.equal(p, saved[n]), n
+
+
+def test_frozen_params_partitioned_by_init_stay_partitioned_and_train_as_without_init(tmp_path):
+    """The adapter pattern: build under zero.Init, then freeze part of the
+    model. The frozen params stay partitioned (gathered for their module's
+    forward and backward), the run equals the one without Init, and a
+    checkpoint resumes it exactly."""
+    freeze = ["0.weight", "2.bias"]
+    path = str(tmp_path / "ckpt")
+    common = dict(stage=3, gas=1, steps=4, zero=PREFETCH, freeze=freeze)
+    with_init, plain = train(tmp_path, 2, [dict(common, init=True, save_at=2, save=path), dict(common)])
+    (tmp_path / "b").mkdir()
+    (resumed,) = train(tmp_path / "b", 2, [dict(common, init=True, start=2, load=path)])
+    before = dict(make_model().named_parameters())
+    for a, b, r in zip(with_init, plain, resumed):
+        assert a["losses"] == b["losses"] and r["losses"] == a["losses"][2:]
+        for name, p in b["params"].items():
+            assert torch.equal(a["params"][name], p) and torch.equal(r["params"][name], p), name
+        for name in freeze:
+            assert torch.equal(a["params"][name], before[name].detach()), name  # frozen: never moved
+        assert a["memory"]["frozen_params"] > 0 and "frozen_params" not in b["memory"]

@@ -81,6 +81,8 @@ def train(run: dict) -> None:
         assert all(p.numel() == 0 and hasattr(p, "_fz_shard") for p in model.parameters())
     else:
         model = make_model(run.get("model", "mlp"))
+    for name, p in model.named_parameters():  # "freeze": these train no more (after Init: the adapter pattern)
+        p.requires_grad_(name not in run.get("freeze", ()))
     engine, *_ = fastzero.initialize(model=model, config=config(run))
     if run.get("chunk"):  # ZeRO-Offload: the pipelined step's pieces
         engine.optimizer.chunk = run["chunk"]
