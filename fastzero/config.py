@@ -318,7 +318,7 @@ def check_optimizer(name: str, stage: int, offload: bool, no_master: bool = Fals
 
 SCHEDULER_PARAMS = {
     # DeepSpeed's defaults (deepspeed/runtime/lr_schedules.py); None = required
-    "WarmupLR": dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"),
+    "WarmupLR": dict(warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000, warmup_type="log"),
     "WarmupDecayLR": dict(
         total_num_steps=None, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log"
     ),
@@ -346,7 +346,8 @@ SCHEDULER_PARAMS = {
         lr_range_test_staircase=False,
     ),
 }
-OPTIONAL_NONE = {"cycle_second_step_size", "cycle_second_stair_count"}  # None means "same as the first"
+# None means "same as the first" (cycle_second_*), "each param group's lr" (warmup_max_lr)
+OPTIONAL_NONE = {"cycle_second_step_size", "cycle_second_stair_count", "warmup_max_lr"}
 # Step counts the schedules divide by or count down from (fastzero.runtime.lr_schedules' constructor checks,
 # mirrored here so that a config that loads also builds): at least 1. Every other count may be 0.
 SCHEDULER_MIN_ONE = ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size", "cycle_first_step_size")

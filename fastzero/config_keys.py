@@ -92,7 +92,10 @@ KEYS: dict[str, Key] = {
     # fastzero's: what a non-finite gradient does outside fp16 (which the loss scaler handles)
     "non_finite_grads": own("skip: a non-finite gradient norm skips the step, as fp16 does; raise: an error"),
     # -- gradients and communication ------------------------------------------------------------------------------
-    "gradient_clipping": done("clips the global gradient norm (0: off)"),
+    "gradient_clipping": done(
+        "clips the global gradient norm (0: off). Default 0, where DeepSpeed 0.19 defaults to 1.0: a DeepSpeed "
+        "config that leaves it out clipped at 1.0 there; set it to keep that"
+    ),
     "communication_data_type": done("the dtype the gradient sum over ranks is taken in (fp32, fp16, bf16)"),
     "seq_parallel_communication_data_type": refused("fastzero has no sequence parallelism yet"),
     "prescale_gradients": done("each rank's gradient divided by the number of ranks before the sum"),
@@ -140,7 +143,10 @@ KEYS: dict[str, Key] = {
     "scheduler": done("the learning-rate schedule, by type and params"),
     "scheduler.type": done("one of the types below"),
     "scheduler.params": done("the schedule's parameters, checked by name, DeepSpeed's defaults"),
-    "scheduler.type=WarmupLR": done("DeepSpeed's WarmupLR schedule (runtime/lr_schedules.py)"),
+    "scheduler.type=WarmupLR": done(
+        "DeepSpeed's WarmupLR schedule (runtime/lr_schedules.py); warmup_max_lr left out: each param group's lr, "
+        "as DeepSpeed 0.19"
+    ),
     "scheduler.type=WarmupDecayLR": done("DeepSpeed's WarmupDecayLR schedule (runtime/lr_schedules.py)"),
     "scheduler.type=WarmupCosineLR": done("DeepSpeed's WarmupCosineLR schedule (runtime/lr_schedules.py)"),
     "scheduler.type=OneCycle": done("DeepSpeed's OneCycle schedule (runtime/lr_schedules.py)"),

@@ -243,7 +243,8 @@ def test_state_formats_are_refused_where_they_cannot_work(config, message):
 
 def test_scheduler_defaults_are_deepspeeds():
     s = load_config(cfg(scheduler={"type": "WarmupLR"})).scheduler
-    assert s.params == dict(warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000, warmup_type="log")
+    # warmup_max_lr None: each param group's lr (DeepSpeed 0.19's WarmupLR)
+    assert s.params == dict(warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000, warmup_type="log")
     s = load_config(cfg(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}))
     assert s.scheduler.params["cycle_second_step_size"] is None and s.scheduler.params["cycle_momentum"] is True
 

@@ -1094,11 +1094,10 @@ def initialize(
         set_current(parallel)  # the parallel layers' default from now on
     loader = None
     if training_data is not None:
-        sampler, drop_last = None, cfg.dataloader_drop_last  # drop the last, short micro-batch (DeepSpeed's key)
-        if comm.world_size > 1:  # split over the data-parallel ranks: tensor ranks of one data rank see the same
-            sampler = torch.utils.data.DistributedSampler(
-                training_data, comm.world_size, comm.rank, drop_last=drop_last
-            )
+        drop_last = cfg.dataloader_drop_last  # drop the last, short micro-batch (DeepSpeed's key)
+        # split over the data-parallel ranks (tensor ranks of one data rank see the same) and shuffled, with one
+        # rank too, as DeepSpeed's loader: the same order as its (seed 0; set_epoch(e) on data_sampler reshuffles)
+        sampler = torch.utils.data.DistributedSampler(training_data, comm.world_size, comm.rank, drop_last=drop_last)
         loader = torch.utils.data.DataLoader(
             training_data,
             batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -1106,6 +1105,7 @@ def initialize(
             collate_fn=collate_fn,
             drop_last=drop_last,
         )
+        loader.data_sampler = sampler  # DeepSpeed's loader's name for it
         if pipelined:  # train_batch() with no iterator cycles over the loader, as DeepSpeed's does
             engine.set_dataiterator(_cycle(loader))
     # the config's activation_checkpointing section configures fastzero.checkpointing (DeepSpeed's

@@ -49,13 +49,15 @@ class WarmupLR(_Schedule):
     r"""From ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``
     (at least 2), then constant. With t the step index:
     ``lr = min + (max - min) * gamma(t)``, ``gamma = log(t + 1) / log(n)``
-    (log warm-up) or ``t / n`` (linear) for t < n, else 1."""
+    (log warm-up) or ``t / n`` (linear) for t < n, else 1. ``warmup_max_lr``
+    None (WarmupLR's default, as DeepSpeed's): each param group's lr when
+    the schedule is made."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -65,7 +67,9 @@ class WarmupLR(_Schedule):
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"warmup_type = {warmup_type!r}: must be 'log' or 'linear'")
         self.optimizer = optimizer
-        self.min_lr, self.max_lr = float(warmup_min_lr), float(warmup_max_lr)
+        groups = optimizer.param_groups
+        self.min_lr = float(warmup_min_lr)
+        self.max_lrs = [float(g["lr"] if warmup_max_lr is None else warmup_max_lr) for g in groups]
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
         self.last_batch_iteration = last_batch_iteration
@@ -81,12 +85,12 @@ class WarmupLR(_Schedule):
     def _gamma(self, t: int) -> float:
         return self._warmup(t) if t < self.warmup_num_steps else 1.0
 
-    def _lr(self, t: int) -> float:
-        return self.min_lr + (self.max_lr - self.min_lr) * self._gamma(t)
-
     def get_lr(self) -> list[float]:
         t = self.last_batch_iteration
-        return [self.min_lr if t < 0 else self._lr(t)] * len(self.optimizer.param_groups)
+        if t < 0:
+            return [self.min_lr] * len(self.max_lrs)
+        gamma = self._gamma(t)
+        return [self.min_lr + (top - self.min_lr) * gamma for top in self.max_lrs]
 
 
 class WarmupDecayLR(WarmupLR):
@@ -98,7 +102,7 @@ class WarmupDecayLR(WarmupLR):
         optimizer: torch.optim.Optimizer,
         total_num_steps: int,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,

@@ -218,6 +218,18 @@ def test_training_data_gives_a_loader_of_micro_batches():
     assert engine.global_steps == 5 and engine.global_samples == 40
 
 
+def test_the_training_data_loader_shuffles_as_deepspeeds_with_one_rank_too():
+    """DeepSpeed's loader (under a launcher, any world size) samples with
+    DistributedSampler(shuffle=True, seed=0): the same order here."""
+    data = torch.utils.data.TensorDataset(torch.arange(24))
+    _, _, loader, _ = fastzero.initialize(model=make_model(), config=cfg(), training_data=data)
+    seen = [int(i) for (batch,) in loader for i in batch]
+    want = list(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
+    assert seen == want and seen != sorted(seen)
+    loader.data_sampler.set_epoch(1)
+    assert [int(i) for (batch,) in loader for i in batch] != seen  # DeepSpeed's way to reshuffle
+
+
 def test_dataloader_drop_last_drops_the_short_micro_batch():
     data = torch.utils.data.TensorDataset(torch.randn(20, 33), torch.randn(20, 17))
     _, _, kept, _ = fastzero.initialize(model=make_model(), config=cfg(), training_data=data)

@@ -104,6 +104,11 @@ def test_warmup_lr_hand_worked():
     linear = optimizer()
     lin = lrs_over(WarmupLR(linear, 0.0, 1.0, 10, "linear"), linear, 5)
     assert [x[0] for x in lin[1:]] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    own = optimizer()
+    tops = [g["lr"] for g in own.param_groups]
+    assert len(set(tops)) > 1
+    ends = lrs_over(WarmupLR(own, warmup_num_steps=4, warmup_type="linear"), own, 6)[-1]
+    assert ends[0::2] == tops  # warmup_max_lr None: each group warms up to its own lr
 
 
 @pytest.mark.parametrize(
@@ -111,6 +116,7 @@ def test_warmup_lr_hand_worked():
     [
         (WarmupLR, "WarmupLR", dict(warmup_min_lr=0.01, warmup_max_lr=0.5, warmup_num_steps=7)),
         (WarmupLR, "WarmupLR", dict(warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=1, warmup_type="linear")),
+        (WarmupLR, "WarmupLR", dict(warmup_num_steps=6)),  # up to each group's own lr
         (WarmupDecayLR, "WarmupDecayLR", dict(total_num_steps=30, warmup_max_lr=0.3, warmup_num_steps=5)),
         (WarmupDecayLR, "WarmupDecayLR", dict(total_num_steps=9, warmup_num_steps=12, warmup_type="linear")),
         (WarmupCosineLR, "WarmupCosineLR", dict(total_num_steps=40, warmup_num_steps=6, warmup_min_ratio=0.1)),
