@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +123,11 @@ class Engine(torch.nn.Module):
     ``module``, so ``parameters()``, ``named_parameters()`` (names start
     with ``module.``), ``train()``/``eval()`` and ``engine(batch)`` work as
     on any module, and an attribute the engine lacks is the wrapped module's
-    (``engine.config`` of a Hugging Face model). fastzero's own config is
-    ``engine._config``. ``state_dict()``/``load_state_dict()`` are the
-    wrapped module's (see there for stage 3).
+    (a Hugging Face model's ``generate``). ``engine.config`` is the config
+    given to :func:`initialize`, as DeepSpeed's (a Hugging Face model's own:
+    ``engine.module.config``); the parsed one is ``engine._config``.
+    ``state_dict()``/``load_state_dict()`` are the wrapped module's (see
+    there for stage 3).
     """
 
     _pipelined = False  # the pipeline engine trains over a pipe axis too (and reduces stage 2 once per step)
@@ -256,6 +260,15 @@ class Engine(torch.nn.Module):
             for i, p in enumerate(group.params)
         ]
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self.client_optimizer, self.client_lr_scheduler = optimizer, lr_scheduler  # what the script passed
+        # DeepSpeed's attributes: this process's rank on its node, the training_data loader (initialize sets
+        # it), the data-parallel process group (None: the default group)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        self.training_dataloader = None
+        world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        self.data_parallel_group = self.comm.group if self.comm.group is not None else world
+        self.pipeline_parallelism = self._pipelined
         self._gather_depth = 0  # nested gathered() blocks
         self._warned_codes = False  # state_dict() at stages 1-2 with qwZ said what it holds
         self._grads_fresh = True  # no backward since the gradients were last zeroed
@@ -495,8 +508,97 @@ class Engine(torch.nn.Module):
         return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True for the last micro-batch before an optimizer step."""
+        """True for the last micro-batch before an optimizer step (or what
+        :meth:`set_gradient_accumulation_boundary` set)."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's (Accelerate calls it): overrides the micro-step count's
+        boundary from now on: set False before each micro-batch but the last,
+        True before the last, then ``step()`` once. The average still divides
+        by ``gradient_accumulation_steps``, as DeepSpeed's does."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary(is_boundary={is_boundary!r}): give True or False")
+        self._boundary = is_boundary
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: a new micro-batch, the accumulation steps kept (the global batch follows)."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"set_train_micro_batch_size({micro_batch_size!r}): give a positive int")
+        total = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
+        self._config = replace(self._config, train_micro_batch_size_per_gpu=micro_batch_size, train_batch_size=total)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch through the accumulation steps (the micro-batch stays)."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1:
+            raise ValueError(f"set_train_batch_size({train_batch_size!r}): give a positive int")
+        if train_batch_size % per_step:
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): not a multiple of micro-batch "
+                f"{self.train_micro_batch_size_per_gpu()} x {self.dp_world_size} data-parallel ranks = {per_step}"
+            )
+        self._config = replace(
+            self._config, train_batch_size=train_batch_size, gradient_accumulation_steps=train_batch_size // per_step
+        )
+
+    # DeepSpeed's config getters, for scripts that read them from the engine
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name, else the config's optimizer type (DeepSpeed's rule)."""
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        return self._config.optimizer.type.lower() or None  # DeepSpeed lowercases the config's type
+
+    def scheduler_name(self) -> str | None:
+        return self._config.scheduler.type or None
+
+    def zero_optimization(self) -> bool:
+        return self.stage > 0
+
+    def zero_offload_optimizer(self):
+        """The offload_optimizer section when it offloads, else None (DeepSpeed's)."""
+        offload = self._config.zero_optimization.offload_optimizer
+        return offload if offload.device != "none" else None
+
+    def steps_per_print(self) -> int:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def dynamic_loss_scale(self) -> bool:
+        return self._config.fp16.loss_scale == 0
+
+    def dataloader_drop_last(self) -> bool:
+        return self._config.dataloader_drop_last
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: communication_data_type, else the training dtype."""
+        return _COMM_DTYPES.get(self._config.communication_data_type) or self.dtype
+
+    def get_mom(self) -> list:
+        """Each param group's ``momentum`` for SGD/RMSprop, else its ``betas`` (DeepSpeed's)."""
+        key = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
+        return [g.get(key) for g in self.optimizer.param_groups]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; floating-point input tensors are cast to the
@@ -909,6 +1011,45 @@ class Engine(torch.nn.Module):
         return True
 
     @contextlib.contextmanager
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of :meth:`save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def module_state_dict(
+        self, destination=None, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any]:
+        """DeepSpeed's: :meth:`state_dict` (the wrapped module's, under its
+        own names), without the frozen params' entries if asked."""
+        sd = self.state_dict(destination, prefix, keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def load_module_state_dict(
+        self, checkpoint: dict, strict: bool = True, custom_load_fn=None, fetch_z3_params: bool = False, **more
+    ):
+        """DeepSpeed's: ``checkpoint["module"]`` into the model through
+        :meth:`load_state_dict` (at stage 3 the params are gathered for it
+        anyway, so ``fetch_z3_params`` changes nothing); with
+        ``custom_load_fn``, ``custom_load_fn(src=..., dst=module)`` inside
+        ``gathered()``, whose edits are kept."""
+        if more:
+            raise TypeError(f"load_module_state_dict: {', '.join(more)} not supported (DeepSpeed's expert options)")
+        if not isinstance(checkpoint, dict) or "module" not in checkpoint:
+            raise ValueError("load_module_state_dict(checkpoint): give a dict with the module's state under 'module'")
+        if custom_load_fn is None:
+            return self.load_state_dict(checkpoint["module"], strict=strict)
+        with self.gathered() as module:
+            custom_load_fn(src=checkpoint["module"], dst=module)
+            self.refresh_from_module()
+        return None
+
+    def destroy(self) -> None:
+        """DeepSpeed's: frees what the engine holds between uses (stage 3's gathered params)."""
+        self.empty_partition_cache()
+
     def no_sync(self):
         """Kept for DDP-style scripts: accumulation is already automatic."""
         yield
@@ -1106,6 +1247,7 @@ def initialize(
             drop_last=drop_last,
         )
         loader.data_sampler = sampler  # DeepSpeed's loader's name for it
+        engine.training_dataloader = loader
         if pipelined:  # train_batch() with no iterator cycles over the loader, as DeepSpeed's does
             engine.set_dataiterator(_cycle(loader))
     # the config's activation_checkpointing section configures fastzero.checkpointing (DeepSpeed's
@@ -1120,4 +1262,5 @@ def initialize(
                 "topology= or mpu= to initialize, or set partition_activations to false"
             )
         checkpointing.configure(parallel, deepspeed_config=cfg)  # its tensor group partitions the activations
+    engine.config = config  # as DeepSpeed's engine: the config given (the model's own: engine.module.config)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -68,7 +68,8 @@ def main():
             init_weights(model)
 
     engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-    assert engine.config.n_embd == 32, "the wrapped model's config"
+    assert engine.module.config.n_embd == 32, "the wrapped model's config"
+    assert isinstance(engine.config, (dict, str)), "as DeepSpeed's engine: the config given to initialize"
     micro = engine.train_micro_batch_size_per_gpu()
     engine.train()
 

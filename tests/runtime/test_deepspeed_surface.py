@@ -80,3 +80,63 @@ def test_empty_partition_cache_releases_gathered_params_at_stage3():
     train(engine, batches(1))  # and training goes on
     plain, *_ = fastzero.initialize(model=make_model(), config=cfg())
     plain.empty_partition_cache()  # a no-op below stage 3
+
+
+def test_deepspeeds_config_getters_and_attributes(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = cfg(bf16={"enabled": True}, gradient_clipping=0.5, zero_optimization={"stage": 2})
+    data = torch.utils.data.TensorDataset(torch.randn(16, 33), torch.randn(16, 17))
+    engine, _, loader, _ = fastzero.initialize(model=make_model(), config=config, training_data=data)
+    assert engine.config == config  # the config given, as DeepSpeed's engine.config
+    assert (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.zero_optimization_stage()) == (False, True, 2)
+    assert engine.gradient_clipping() == 0.5 and engine.optimizer_name() == "adamw" and engine.scheduler_name() is None
+    assert engine.get_mom() == [g["betas"] for g in engine.optimizer.param_groups]
+    assert engine.local_rank == 0 and engine.training_dataloader is loader and engine.data_parallel_group is None
+    assert engine.zero_optimization() and engine.zero_offload_optimizer() is None and not engine.pipeline_parallelism
+    assert (engine.steps_per_print(), engine.wall_clock_breakdown(), engine.dataloader_drop_last()) == (
+        10,
+        False,
+        False,
+    )
+    assert engine.get_batch_info() == (8, 8, 1) and engine.communication_data_type == torch.bfloat16
+    assert engine.client_optimizer is None and engine.client_lr_scheduler is None
+    engine.set_train_micro_batch_size(4)
+    assert engine.get_batch_info() == (4, 4, 1)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    client, *_ = fastzero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 8}, optimizer=sgd)
+    assert client.optimizer_name() == "SGD" and client.get_mom() == [0.9]
+
+
+def test_set_gradient_accumulation_boundary_decides_when_step_steps():
+    """Accelerate's way: the boundary set before each micro-batch, step()
+    called after each; only the micro-batch marked True steps."""
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg(gradient_accumulation_steps=3))
+    for boundary, stepped in ((False, 0), (False, 0), (True, 1), (False, 1), (True, 2)):
+        engine.set_gradient_accumulation_boundary(boundary)
+        assert engine.is_gradient_accumulation_boundary() is boundary
+        train(engine, batches(1))
+        assert engine.global_steps == stepped
+    with pytest.raises(TypeError, match="give True or False"):
+        engine.set_gradient_accumulation_boundary(1)
+
+
+def test_set_train_batch_size_changes_the_accumulation_steps():
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg())
+    engine.set_train_batch_size(24)
+    assert engine.gradient_accumulation_steps() == 3 and engine.train_batch_size() == 24
+    with pytest.raises(ValueError, match="not a multiple of micro-batch 8"):
+        engine.set_train_batch_size(20)
+
+
+def test_module_state_dict_and_load_module_state_dict_round_trip():
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 1}))
+    saved = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    train(engine, batches(2))
+    assert not all(torch.equal(saved[k], v) for k, v in engine.module_state_dict().items())
+    engine.load_module_state_dict({"module": saved})
+    assert all(torch.equal(saved[k], v) for k, v in engine.module_state_dict().items())
+    engine.module[0].weight.requires_grad_(False)
+    assert "0.weight" not in engine.module_state_dict(exclude_frozen_parameters=True)
+    with pytest.raises(ValueError, match="under 'module'"):
+        engine.load_module_state_dict(saved)

@@ -39,7 +39,9 @@ def test_attributes_fall_through_to_the_wrapped_model():
     model = transformers.GPT2LMHeadModel(config)
     model.custom_flag = "kept"
     engine, *_ = fastzero.initialize(model=model, config=cfg())
-    assert engine.config is model.config and engine.config.n_embd == 16  # the model's config, as with DeepSpeed
+    # as DeepSpeed's engine (engine.py: self.config = config): the config given to initialize; the model's is
+    # engine.module.config
+    assert engine.config == cfg() and engine.module.config.n_embd == 16
     assert engine.custom_flag == "kept" and engine.transformer is model.transformer
     assert engine.get_input_embeddings() is model.get_input_embeddings()
     assert engine._config.train_micro_batch_size_per_gpu == 8  # fastzero's own config
