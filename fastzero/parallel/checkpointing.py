@@ -271,7 +271,9 @@ class _ContiguousBuffers:
                 "forwards that have no backward"
             )
         self.used[key] = slot + 1
-        out = self.buffers[key][slot]
+        # .data: a version counter of its own, so that writing the next slot does not mark this saved one as
+        # modified in place (views of one buffer share the buffer's counter)
+        out = self.buffers[key][slot].data
         out.copy_(piece, non_blocking=True)
         return out
 

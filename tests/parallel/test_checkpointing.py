@@ -656,3 +656,24 @@ def test_placement_passes_keyword_inputs_through_autograd():
     got, got_scale = grads()
     assert torch.equal(got_scale, want_scale)  # the keyword tensor's grad flows through the checkpointed blocks
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_contiguous_slots_saved_outside_any_saved_tensor_hook_stay_valid():
+    """Each checkpoint's piece is a slot of one shared buffer: writing the
+    next slot must not mark the earlier ones as modified in place (views
+    share their base's version counter). `run` measures through saved-tensor
+    hooks, under which autograd checks no versions: here, none."""
+    blocks, x = blocks_and_input()
+    want = run(blocks, x, "none")
+    checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=3)
+    torch.manual_seed(5)
+    checkpointing.model_parallel_cuda_manual_seed(5)
+    for p in blocks.parameters():
+        p.grad = None
+    h = x0 = x.clone().requires_grad_(True)
+    for b in blocks:
+        h = checkpointing.checkpoint(b, h)
+    (h * h.detach().sin()).sum().backward()
+    assert torch.equal(h.detach(), want["out"]) and torch.equal(x0.grad, want["x_grad"])
+    for g, w in zip([p.grad for p in blocks.parameters()], want["grads"]):
+        assert torch.equal(g, w)
