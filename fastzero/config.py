@@ -220,7 +220,14 @@ OPTIMIZER_NAMES = {
     "onebitlamb": "OneBitLamb",
 }
 ONEBIT_FAMILY = ("onebitadam", "zerooneadam", "onebitlamb")  # the types that take DeepSpeed's comm_backend_name
-OPTIMIZER_UNSUPPORTED_PARAMS = ("amsgrad", "torch_adam")
+# DeepSpeed's optimizer params fastzero's kernels do not offer when true (false, their default, is accepted)
+OPTIMIZER_UNSUPPORTED_PARAMS = {
+    "amsgrad": "fastzero's Adam kernels have no AMSGrad variant: pass torch.optim.Adam(params, amsgrad=True) as "
+    "initialize(optimizer=...), or drop amsgrad",
+    "torch_adam": "fastzero's Adam is its own kernel on every device (CPU SIMD, CUDA, Triton) with torch.optim.AdamW's "
+    "math; torch's implementation instead is not a switch here: drop torch_adam, or pass torch.optim.AdamW(...) as "
+    "initialize(optimizer=...)",
+}
 
 
 @dataclass(frozen=True)
@@ -673,7 +680,13 @@ def _resolve_optimizer(opt: OptimizerConfig, no_master: bool = False) -> Optimiz
         raise _unknown("optimizer.type = ", opt.type, list(OPTIMIZER_NAMES.values()), "optimizer")
     allowed = OPTIMIZER_PARAMS[key]
     for name in opt.params:
-        if name in OPTIMIZER_UNSUPPORTED_PARAMS or (name == "comm_backend_name" and key not in ONEBIT_FAMILY):
+        if name in OPTIMIZER_UNSUPPORTED_PARAMS:
+            if opt.params[name] is False:
+                continue  # DeepSpeed's default: what fastzero does anyway (dropped below)
+            raise ConfigNotSupported(
+                f"optimizer.params.{name} = {opt.params[name]!r}: {OPTIMIZER_UNSUPPORTED_PARAMS[name]}"
+            )
+        if name == "comm_backend_name" and key not in ONEBIT_FAMILY:
             raise ConfigNotSupported(f"optimizer.params.{name}: not supported by fastzero's {OPTIMIZER_NAMES[key]}")
         if name == "bf16_stochastic_round" and key not in STATE_FORMAT_TYPES:
             raise ConfigNotSupported(
@@ -689,7 +702,7 @@ def _resolve_optimizer(opt: OptimizerConfig, no_master: bool = False) -> Optimiz
             )
         if name not in allowed:
             raise _unknown(f"optimizer.params ({OPTIMIZER_NAMES[key]}).", name, list(allowed))
-    params = {**allowed, **opt.params}
+    params = {**allowed, **{k: v for k, v in opt.params.items() if k not in OPTIMIZER_UNSUPPORTED_PARAMS}}
     if key in STATE_FORMAT_TYPES:
         params.update(_state_format({k: params.pop(k) for k in STATE_FORMAT_PARAMS}, no_master))
     for name, value in params.items():

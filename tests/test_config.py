@@ -123,7 +123,11 @@ def test_bad_configs_name_the_key_the_value_and_what_is_allowed(config, match):
             cfg(zero_optimization={"memory_efficient_linear": True}),
             r"zero_optimization.memory_efficient_linear: a DeepSpeed setting",
         ),
-        (cfg(optimizer={"type": "Adam", "params": {"amsgrad": True}}), r"optimizer.params.amsgrad: not supported"),
+        (
+            cfg(optimizer={"type": "Adam", "params": {"amsgrad": True}}),
+            r"optimizer.params.amsgrad = True: .*amsgrad=True",
+        ),
+        (cfg(optimizer={"type": "AdamW", "params": {"torch_adam": True}}), r"torch_adam = True: .*torch.optim.AdamW"),
     ],
 )
 def test_valid_deepspeed_settings_not_supported_yet_say_so(config, match):
@@ -375,3 +379,9 @@ def test_zeropp_settings_that_work_parse():
     assert (z.zero_quantized_weights, z.zero_quantized_gradients, z.zero_hpz_partition_size) == (True, True, 2)
     assert (z.zero_quantized_gradients_bits, z.zero_quantized_block_size) == (8, 64)
     assert z.zero_quantized_gradients_rounding == "nearest"
+
+
+def test_deepspeeds_false_defaults_of_unoffered_optimizer_switches_are_accepted():
+    params = {"lr": 1e-3, "torch_adam": False, "amsgrad": False}
+    opt = load_config(cfg(optimizer={"type": "AdamW", "params": params})).optimizer
+    assert "torch_adam" not in opt.params and "amsgrad" not in opt.params and opt.params["lr"] == 1e-3
