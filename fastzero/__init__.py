@@ -48,12 +48,23 @@ def tp_model_init(*args, **kwargs):
 # ``deepspeed.zero.Init``, ``deepspeed.utils.RepeatingLoader``, ``deepspeed.checkpointing.checkpoint``,
 # ``deepspeed.profiling.flops_profiler``), imported on first use so that
 # ``import fastzero`` stays light.
-_SUBMODULES = ("checkpoint", "checkpointing", "comm", "ops", "profiling", "runtime", "utils", "zero")
+_SUBMODULES = ("checkpoint", "checkpointing", "comm", "ops", "pipe", "profiling", "runtime", "utils", "zero")
+# and the names DeepSpeed exports at its top level: (module, name)
+_NAMES = {
+    "PipelineModule": ("fastzero.pipe", "PipelineModule"),
+    "DeepSpeedEngine": ("fastzero.runtime.engine", "Engine"),
+    "PipelineEngine": ("fastzero.runtime.pipe_engine", "PipelineEngine"),
+    "logger": ("fastzero.utils.logging", "logger"),
+    "log_dist": ("fastzero.utils.logging", "log_dist"),
+}
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
-        import importlib
+    import importlib
 
+    if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        module, attr = _NAMES[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

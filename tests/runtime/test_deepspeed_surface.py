@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fastzero
+import fastzero.runtime.engine
 from tests.runtime.test_engine_single import batches, cfg
 from tests.workers.train_zero import make_model
 
@@ -140,3 +141,16 @@ def test_module_state_dict_and_load_module_state_dict_round_trip():
     assert "0.weight" not in engine.module_state_dict(exclude_frozen_parameters=True)
     with pytest.raises(ValueError, match="under 'module'"):
         engine.load_module_state_dict(saved)
+
+
+def test_deepspeeds_top_level_names(caplog):
+    import fastzero.pipe
+    import fastzero.runtime.pipe_engine
+
+    assert fastzero.pipe is fastzero.__getattr__("pipe") and fastzero.PipelineModule is fastzero.pipe.PipelineModule
+    assert fastzero.DeepSpeedEngine is fastzero.runtime.engine.Engine
+    assert fastzero.PipelineEngine is fastzero.runtime.pipe_engine.PipelineEngine
+    assert fastzero.logger is fastzero.utils.logger and fastzero.logger.name == "fastzero"
+    with caplog.at_level("INFO", logger="fastzero"):
+        fastzero.log_dist("hello", ranks=[0])  # no process group: every process logs, as DeepSpeed's
+    assert "[Rank -1] hello" in caplog.text
