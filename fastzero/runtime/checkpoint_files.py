@@ -353,6 +353,13 @@ def locate(load_dir, tag=None) -> tuple[Path, Path] | None:
             f"; a save by an older fastzero was interrupted and left a complete checkpoint in {leftovers[0]}: "
             f"rename it to {tag} to load it"
         )
+    elif tag_dir.is_dir() and (ds := sorted(tag_dir.glob("*model_states.pt"))):
+        hint = (
+            f": it is a DeepSpeed checkpoint ({ds[0].name}), whose layout fastzero does not read. Its weights "
+            f"load with engine.load_module_state_dict(torch.load({str(ds[0])!r}, weights_only=False)) when that "
+            "file holds the whole model (ZeRO stages 0-2), else from DeepSpeed's zero_to_fp32.py output through "
+            "engine.load_state_dict; optimizer state does not carry over"
+        )
     elif tag_dir.is_dir():
         hint = " (an interrupted first save of this tag?)"
     raise CheckpointError(

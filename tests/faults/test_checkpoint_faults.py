@@ -550,3 +550,19 @@ def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path):
     assert r0["save_error"].startswith("CheckpointSaveError: rank 1 failed to write its checkpoint file"), r0
     for res in (r0, r1):
         assert res["left"] == ["global_step2", "latest"] and res["latest"] == "global_step2", res
+
+
+def test_a_deepspeed_checkpoint_is_named_with_how_to_take_its_weights(tmp_path):
+    """A DeepSpeed checkpoint directory (global_stepN/mp_rank_00_model_states.pt
+    holding {"module": state_dict} at stages 0-2) is refused with the call
+    that loads its weights, and that call works."""
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 2}))
+    weights = {k: torch.randn_like(v) for k, v in engine.module_state_dict().items()}
+    tag = tmp_path / "global_step4"
+    tag.mkdir()
+    torch.save({"module": weights}, tag / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("global_step4")
+    with pytest.raises(CheckpointError, match=r"a DeepSpeed checkpoint \(mp_rank_00_model_states.pt\).*load_module"):
+        engine.load_checkpoint(str(tmp_path))
+    engine.load_module_state_dict(torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False))
+    assert all(torch.equal(weights[k], v) for k, v in engine.module_state_dict().items())
