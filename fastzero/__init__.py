@@ -48,7 +48,18 @@ def tp_model_init(*args, **kwargs):
 # ``deepspeed.zero.Init``, ``deepspeed.utils.RepeatingLoader``, ``deepspeed.checkpointing.checkpoint``,
 # ``deepspeed.profiling.flops_profiler``), imported on first use so that
 # ``import fastzero`` stays light.
-_SUBMODULES = ("checkpoint", "checkpointing", "comm", "ops", "pipe", "profiling", "runtime", "utils", "zero")
+_SUBMODULES = (
+    "accelerator",
+    "checkpoint",
+    "checkpointing",
+    "comm",
+    "ops",
+    "pipe",
+    "profiling",
+    "runtime",
+    "utils",
+    "zero",
+)
 # and the names DeepSpeed exports at its top level: (module, name)
 _NAMES = {
     "PipelineModule": ("fastzero.pipe", "PipelineModule"),

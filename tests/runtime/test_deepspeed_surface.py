@@ -154,3 +154,24 @@ def test_deepspeeds_top_level_names(caplog):
     with caplog.at_level("INFO", logger="fastzero"):
         fastzero.log_dist("hello", ranks=[0])  # no process group: every process logs, as DeepSpeed's
     assert "[Rank -1] hello" in caplog.text
+
+
+def test_get_accelerator_answers_as_deepspeeds_cpu_accelerator(monkeypatch):
+    import fastzero.accelerator as acc
+
+    monkeypatch.setattr(acc, "_current", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    a = fastzero.accelerator.get_accelerator()
+    assert a is acc.get_accelerator()  # one per process
+    assert (a.device_name(), a.device_name(0), a.current_device_name(), a.device_count()) == ("cpu", "cpu:0", "cpu", 1)
+    assert a.is_available() and a.communication_backend_name() == "gloo" and a.device() == torch.device("cpu")
+    assert a.on_accelerator(torch.zeros(1)) and a.memory_allocated() > 0 and a.max_memory_allocated() > 0
+    a.manual_seed(3)
+    first = torch.rand(2)
+    a.manual_seed(3)
+    assert torch.equal(torch.rand(2), first)
+    a.synchronize()
+    monkeypatch.setattr(acc, "_current", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "tpu")
+    with pytest.raises(ValueError, match="DS_ACCELERATOR='tpu'"):
+        acc.get_accelerator()
