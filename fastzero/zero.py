@@ -34,6 +34,7 @@ from fastzero.gathered_parameters import GatheredParameters  # noqa: F401  (Deep
 from fastzero.parallel import data_group
 from fastzero.runtime.stage3 import (
     WHOLE,
+    ZeroParamStatus,  # noqa: F401  (DeepSpeed: deepspeed.zero.ZeroParamStatus)
     add_external_param,
     fetcher_of,
     is_partitioned,

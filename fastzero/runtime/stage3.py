@@ -32,10 +32,12 @@ read and written only through the helpers at the end of this module.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 import zlib
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -51,6 +53,27 @@ EMPTY_PARAM_ERROR = re.compile(r"\(0\)|\[0\]|\b0x\d|\dx0\b|got 1-D|must be 2-D|s
 
 class Stage3Divergence(RuntimeError):
     """The ranks ran different modules at stage 3 (a branch that differs across ranks)."""
+
+
+class ZeroParamStatus(Enum):
+    """DeepSpeed's ``deepspeed.zero.ZeroParamStatus``: a partitioned param's ``ds_status``."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_DS_IDS = itertools.count()
+
+
+def mark_ds(p: Tensor, shard: Tensor, shape: torch.Size, status: ZeroParamStatus) -> None:
+    """DeepSpeed's attributes of a ZeRO-3 param, which scripts and libraries
+    read (Hugging Face counts a partitioned model's params as
+    ``p.ds_numel if hasattr(p, "ds_tensor") else p.numel()``): its whole
+    size and shape, this rank's chunk, an id, and whether it is whole now."""
+    p.ds_numel, p.ds_shape, p.ds_tensor, p.ds_status = shape.numel(), shape, shard, status
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_DS_IDS)
 
 
 def released_like(p: Tensor) -> Tensor:
@@ -128,6 +151,7 @@ class FrozenShard:
         self.full: Tensor | None = None
         self.handle = None
         self.refs, self._version = 0, 0
+        mark_ds(param, self.shard, self.shape, ZeroParamStatus.NOT_AVAILABLE)
 
     @property
     def gathered(self) -> bool:
@@ -137,6 +161,7 @@ class FrozenShard:
         if self.full is None:
             self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.shard.device)
             self.handle = self.refresh()
+            self.param.ds_status = ZeroParamStatus.INFLIGHT
 
     def refresh(self, exact: bool = False):
         return self.comm.all_gather(self.full, self.shard, f"param:{self.name}")
@@ -147,6 +172,7 @@ class FrozenShard:
             self.handle = None
             self._version = self.full._version
             self.param.data = self.full[: self.shape.numel()].view(self.shape)
+            self.param.ds_status = ZeroParamStatus.AVAILABLE
 
     def release(self) -> None:
         if self.full is None:
@@ -156,6 +182,7 @@ class FrozenShard:
             size = self.shard.numel()
             self.shard.copy_(self.full[self.comm.rank * size : (self.comm.rank + 1) * size])
         self.param.data = released_like(self.param)
+        self.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         self.full = None
 
     def invalidate(self) -> None:
@@ -249,6 +276,7 @@ class Unit:
         if self.full is None:
             self.full = torch.empty(self.numel, dtype=self.shard.dtype, device=self.device)
             self.handle = self.refresh(exact)
+            self.param.ds_status = ZeroParamStatus.INFLIGHT
 
     def refresh(self, exact: bool = False):
         """Gathers the param into `full`: from the hpZ group's pieces when
@@ -271,6 +299,7 @@ class Unit:
             self.handle.wait()
             self.handle = None
             self.param.data = self.full[: self.shape.numel()].view(self.shape)
+            self.param.ds_status = ZeroParamStatus.AVAILABLE
 
     def invalidate(self) -> None:
         """The shards changed (a step, a load): the hpZ pieces are stale."""
@@ -287,6 +316,7 @@ class Unit:
                 self.secondary.copy_(self.full[self.hpz.rank * size : (self.hpz.rank + 1) * size])
                 self.secondary_valid = True
             self.param.data = released_like(self.param)
+            self.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
             self.full = None
 
 
@@ -353,6 +383,7 @@ class Stage3Group(ZeroGroup):
             n = max(0, min(hi, flat.numel()) - lo)
             unit.shard[:n].copy_(flat[lo : lo + n])
             unit.shard[n:].zero_()
+        mark_ds(p, unit.shard, unit.shape, ZeroParamStatus.NOT_AVAILABLE)
         if unit.persistent:
             unit.start_gather()
             unit.wait()
@@ -789,6 +820,7 @@ class ParamFetcher:
 def mark_partitioned(p: Tensor, shard: Tensor, shape: torch.Size) -> None:
     """`p` was partitioned at construction: `shard` is this rank's chunk of it, `shape` its logical shape."""
     p._fz_shard, p._fz_shape = shard, shape
+    mark_ds(p, shard, shape, ZeroParamStatus.NOT_AVAILABLE)
 
 
 def is_partitioned(p: Tensor) -> bool:

@@ -287,3 +287,26 @@ def test_frozen_params_partitioned_by_init_stay_partitioned_and_train_as_without
         for name in freeze:
             assert torch.equal(a["params"][name], before[name].detach()), name  # frozen: never moved
         assert a["memory"]["frozen_params"] > 0 and "frozen_params" not in b["memory"]
+
+
+def test_partitioned_params_carry_deepspeeds_attributes():
+    """ds_numel, ds_shape, ds_tensor, ds_id and ds_status, as DeepSpeed's
+    ZeRO-3 params: the usual count of a partitioned model's params
+    (Hugging Face's) gives the model's size, not 0."""
+    count = lambda m: sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in m.parameters())  # noqa: E731
+    want = sum(p.numel() for p in make_model().parameters())
+    with fastzero.zero.Init():
+        model = make_model()
+    assert count(model) == want and all(
+        p.ds_status is fastzero.zero.ZeroParamStatus.NOT_AVAILABLE for p in model.parameters()
+    )
+    zero = dict(stage=3, stage3_param_persistence_threshold=100)
+    engine, *_ = fastzero.initialize(model=model, config=cfg(zero_optimization=zero))
+    assert count(engine.module) == want
+    assert len({p.ds_id for p in model.parameters()}) == len(list(model.parameters()))
+    big = [p for p in model.parameters() if p.ds_numel >= 100]
+    assert big and all(p.ds_status is fastzero.zero.ZeroParamStatus.NOT_AVAILABLE and p.numel() == 0 for p in big)
+    assert all(tuple(p.ds_shape) == tuple(q.shape) for p, q in zip(model.parameters(), make_model().parameters()))
+    with fastzero.zero.GatheredParameters(big):
+        assert all(p.ds_status is fastzero.zero.ZeroParamStatus.AVAILABLE and p.numel() == p.ds_numel for p in big)
+    assert all(p.ds_status is fastzero.zero.ZeroParamStatus.NOT_AVAILABLE for p in big)
