@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -379,6 +380,35 @@ def _union(engine, contributions: list[dict], exclude_frozen: bool) -> dict:
     }
 
 
+# Written beside the checkpoints, as DeepSpeed writes its zero_to_fp32.py there: users run it in place.
+CONSOLIDATE_SCRIPT = "zero_to_fp32.py"
+_SCRIPT_TEXT = """#!/usr/bin/env python
+# Written by fastzero's save_checkpoint, as DeepSpeed writes its own zero_to_fp32.py: a checkpoint of this
+# directory as a plain fp32 state dict, with DeepSpeed's command line:
+#   python zero_to_fp32.py . OUTPUT_DIR [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
+#                          [--exclude_frozen_parameters]
+# (also: python -m fastzero.checkpoint consolidate DIR OUT)
+import sys
+
+from fastzero.utils.zero_to_fp32 import main
+
+sys.exit(main())
+"""
+
+
+def _write_script(root: Path) -> None:
+    """The consolidating script in `root`, if it is not there as written (atomically: a reader never sees half)."""
+    path = root / CONSOLIDATE_SCRIPT
+    try:
+        if path.is_file() and path.read_text(encoding="utf-8") == _SCRIPT_TEXT:
+            return
+        tmp = root / f".{CONSOLIDATE_SCRIPT}.tmp"
+        tmp.write_text(_SCRIPT_TEXT, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:  # the checkpoint is complete: only the helper is missing
+        warnings.warn(f"could not write {path}: {exc}; use python -m fastzero.checkpoint consolidate", stacklevel=4)
+
+
 def _flip(root: Path, tag_dir: Path, tag: str, version: str, created: bool, save_latest: bool, flipped: list) -> None:
     """The tag's pointer to `version` (the instant the tag becomes the new
     checkpoint; `flipped` gets True then), then ``latest`` to the tag."""
@@ -541,6 +571,7 @@ def save_checkpoint(
             files.fsync_dir(path)
             _flip(root, tag_dir, tag, version, created, save_latest, flipped)  # from the flip: the new checkpoint
             files.remove_old_versions(tag_dir, keep=version)
+            _write_script(root)
         except Exception as exc:
             error = exc
             if not flipped:
@@ -614,6 +645,7 @@ def _finish_node_local(
                 files.remove_old_versions(tag_dir, keep=version)
             except OSError as exc:  # the save is complete everywhere: leftovers only
                 warnings.warn(f"could not remove the replaced versions in {tag_dir}: {exc}", stacklevel=4)
+            _write_script(root)
         files.release_lock(lock)
     if failed:
         _raise_failed(

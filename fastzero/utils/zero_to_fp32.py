@@ -199,3 +199,43 @@ def load_safetensors_state_dict(path) -> dict[str, torch.Tensor]:
     for alias, name in tied.items():
         out[alias] = out[name]
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """DeepSpeed's ``zero_to_fp32.py`` command line (the script that
+    ``save_checkpoint`` writes beside the checkpoints runs it):
+    ``CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+    [--max_shard_size 5GB] [--exclude_frozen_parameters] [-d]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="a fastzero checkpoint to a plain fp32 state dict")
+    parser.add_argument("checkpoint_dir", help="the directory save_checkpoint wrote (holding 'latest')")
+    parser.add_argument("output_dir", help="where pytorch_model.bin (or model.safetensors, or shards) go")
+    parser.add_argument("--max_shard_size", default="5GB", help="shard above this size (default 5GB)")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="the checkpoint's tag (default: the one 'latest' names)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen params out")
+    parser.add_argument("-d", "--debug", action="store_true", help="also list every tensor written")
+    args = parser.parse_args(argv)
+    try:
+        written = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir,
+            args.output_dir,
+            max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization,
+            tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
+        )
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"zero_to_fp32: {exc}")
+        return 1
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    if args.debug:
+        sd = get_fp32_state_dict_from_zero_checkpoint(args.checkpoint_dir, args.tag, args.exclude_frozen_parameters)
+        for name, t in sd.items():
+            print(f"  {name}: {tuple(t.shape)} {t.dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, resume at another world size and stage,
 consolidation, a crash mid-save, and checkpoints that do not fit."""
 
+import os
 import subprocess
 import sys
 
@@ -228,10 +229,10 @@ def test_tag_validation_compares_every_ranks_tag(tmp_path):
                 assert differ["path"] is None, differ
                 assert "the ranks' tags differ (rank 0: 't0', rank 1: 't1')" in differ["error"], differ
                 assert "tag_validation is 'fail': nothing was saved" in differ["error"]
-                assert res["left"] == ["latest", "same"]
+                assert res["left"] == ["latest", "same", "zero_to_fp32.py"]
                 continue
             assert differ["error"] is None and differ["path"] == str(root / "t0"), (mode, differ)
-            assert res["left"] == ["latest", "same", "t0"]
+            assert res["left"] == ["latest", "same", "t0", "zero_to_fp32.py"]
             if mode == "warn":
                 assert len(differ["warnings"]) == 1 and "rank 0's tag is used" in differ["warnings"][0], differ
             else:
@@ -292,3 +293,24 @@ def test_exclude_frozen_parameters_leaves_them_out_and_a_strict_load_keeps_the_m
         other.load_checkpoint(tmp_path / "lean", load_module_strict=True)
     with pytest.warns(UserWarning, match=r"missing from the checkpoint .*: \['extra'\]"):
         other.load_checkpoint(tmp_path / "lean", load_module_strict=False)
+
+
+def test_the_saved_zero_to_fp32_script_consolidates_as_deepspeeds(tmp_path):
+    """save_checkpoint leaves zero_to_fp32.py beside the checkpoints, as
+    DeepSpeed does; run in place with DeepSpeed's command line it writes
+    the fp32 weights."""
+    from tests.paths import REPO
+
+    engine, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 2}))
+    for x, y in batches(2):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    script = tmp_path / "ckpt" / "zero_to_fp32.py"
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(out)], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    sd = torch.load(out / "pytorch_model.bin")
+    assert set(sd) == set(engine.module_state_dict())
+    assert all(torch.equal(sd[k], v) for k, v in engine.module_state_dict().items())

@@ -74,9 +74,10 @@ def test_each_node_holds_its_ranks_files_and_the_same_shared_files(saved):
         a, b = (tree(on_node(configured, i, roots)) for i in (0, 1))
         version = ckpt.resolve(on_node(configured, 0, roots))
         prefix = f"global_step3/{version.name}/"
-        assert sorted(a) == sorted(["latest", "global_step3/current"] + [prefix + f for f in SHARED + RANKS[0]])
-        assert sorted(b) == sorted(["latest", "global_step3/current"] + [prefix + f for f in SHARED + RANKS[1]])
-        for name in ["latest", "global_step3/current"] + [prefix + f for f in SHARED]:
+        top = ["latest", "zero_to_fp32.py", "global_step3/current"]  # each node's leader writes the script too
+        assert sorted(a) == sorted(top + [prefix + f for f in SHARED + RANKS[0]])
+        assert sorted(b) == sorted(top + [prefix + f for f in SHARED + RANKS[1]])
+        for name in top + [prefix + f for f in SHARED]:
             assert a[name] == b[name], name  # rank 0's bytes on both nodes
         manifest = json.loads(a[prefix + "manifest.json"])
         assert manifest["node_local"] == {"nodes": [[0, 1], [2, 3]]} and manifest["stage"] == stage
