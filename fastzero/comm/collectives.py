@@ -38,6 +38,8 @@ def reduce_scatter_by_all_to_all(out: Tensor, inp: Tensor, group=None, async_op:
         )
     if inp.dtype != out.dtype:
         raise TypeError(f"reduce-scatter: the input is {inp.dtype} and the output {out.dtype}; give one dtype")
+    if out.numel() == 0:  # nothing to send on any rank (the sizes match on every rank)
+        return None, lambda: None
     recv = torch.empty_like(inp)
     # bytes only cross, so any dtype goes as bytes (Gloo's all-to-all lacks some dtypes)
     work = dist.all_to_all_single(
