@@ -80,30 +80,49 @@ def released_like(p: Tensor) -> Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-class FrozenUnit:
+class _Frozen:
+    """What the fetcher's two kinds of frozen unit share: `full`, the whole
+    param, made on demand and dropped at release, where an edit made while
+    it was whole (``load_state_dict``, ``GatheredParameters``: torch bumps
+    the version counter) is kept by :meth:`_keep_edit`."""
+
+    persistent = False
+    exact = True
+    handle = None
+    full: Tensor | None
+    _version: int
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None
+
+    def release(self) -> None:
+        if self.full is None:
+            return
+        self.wait()
+        if self.full._version != self._version:
+            self._keep_edit()
+        self.param.data = released_like(self.param)
+        self.full = None
+
+    def invalidate(self) -> None:
+        pass
+
+
+class FrozenUnit(_Frozen):
     """A frozen param kept as int8 codes (``zero_quantized_nontrainable_weights``):
     whole on every rank, not partitioned, its values the codes' from then on.
     The fetcher treats it as a :class:`Unit` whose gather is a local
-    dequantization into `full` and whose release drops `full`; a write to
-    `full` while it is whole (``load_state_dict``, ``GatheredParameters``: torch
-    bumps its version counter) is quantized back at release."""
-
-    persistent = False
-    exact = True  # no finer values exist than the codes
-    handle = None
+    dequantization into `full`; an edit is quantized back at release."""
 
     def __init__(self, param: Tensor, name: str, fmt: QuantFormat) -> None:
         self.param, self.name, self.shape, self.fmt = param, name, param.shape, fmt
         self.numel = param.numel()
         self.packed = torch.empty(fmt.packed_bytes(self.numel), dtype=torch.uint8, device=param.device)
         fmt.pack(param.detach().reshape(-1), self.packed)
-        self.full: Tensor | None = None
+        self.full = None
         self.refs, self._version = 0, 0
         param.data = released_like(param)
-
-    @property
-    def gathered(self) -> bool:
-        return self.full is not None
 
     def start_gather(self, exact: bool = False) -> None:
         if self.full is None:
@@ -119,43 +138,27 @@ class FrozenUnit:
         if self.full is not None:
             self.param.data = self.full.view(self.shape)
 
-    def release(self) -> None:
-        if self.full is None:
-            return
-        if self.full._version != self._version:  # written while whole: keep the edit, as codes
-            self.fmt.pack(self.full, self.packed)
-        self.param.data = released_like(self.param)
-        self.full = None
-
-    def invalidate(self) -> None:
-        pass
+    def _keep_edit(self) -> None:
+        self.fmt.pack(self.full, self.packed)
 
 
-class FrozenShard:
+class FrozenShard(_Frozen):
     """A frozen param that ``fastzero.zero.Init`` partitioned: it stays
     partitioned (frozen weights are often the bulk of a model built under
     Init, as in fine-tuning adapters), and the fetcher gathers it whole and
     exact for the modules that use it and releases it after, as it does a
-    trained one; it has no gradient and no optimizer state. A write to
-    `full` while it is whole (a checkpoint load, ``GatheredParameters``) is
-    kept: each rank takes its chunk back into `shard` at release."""
-
-    persistent = False
-    exact = True
+    trained one; it has no gradient and no optimizer state. An edit is kept
+    as each rank's chunk of it, at release."""
 
     def __init__(self, param: Tensor, name: str, comm: Comm, shard: Tensor) -> None:
         self.param, self.name, self.comm = param, name, comm
         self.shard = shard.to(device=param.device, dtype=param.dtype)  # the engine's dtype, as the trained ones'
         self.shape = logical_shape(param)
         self.numel = shard.numel() * comm.world_size
-        self.full: Tensor | None = None
+        self.full = None
         self.handle = None
         self.refs, self._version = 0, 0
         mark_ds(param, self.shard, self.shape, ZeroParamStatus.NOT_AVAILABLE)
-
-    @property
-    def gathered(self) -> bool:
-        return self.full is not None
 
     def start_gather(self, exact: bool = False) -> None:
         if self.full is None:
@@ -174,19 +177,13 @@ class FrozenShard:
             self.param.data = self.full[: self.shape.numel()].view(self.shape)
             self.param.ds_status = ZeroParamStatus.AVAILABLE
 
-    def release(self) -> None:
-        if self.full is None:
-            return
-        self.wait()
-        if self.full._version != self._version:  # written while whole: keep the edit, as this rank's chunk
-            size = self.shard.numel()
-            self.shard.copy_(self.full[self.comm.rank * size : (self.comm.rank + 1) * size])
-        self.param.data = released_like(self.param)
-        self.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-        self.full = None
+    def _keep_edit(self) -> None:
+        size = self.shard.numel()
+        self.shard.copy_(self.full[self.comm.rank * size : (self.comm.rank + 1) * size])
 
-    def invalidate(self) -> None:
-        pass
+    def release(self) -> None:
+        super().release()
+        self.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
     def nbytes(self) -> int:
         return self.shard.numel() * self.shard.element_size() + (0 if self.full is None else self.full.nbytes)
