@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastzero.comm.collectives import reduce_scatter_by_all_to_all
+from fastzero.comm.collectives import all_gather_by_send_recv, reduce_scatter_by_all_to_all
 from fastzero.parallel.groups import group_rank, group_size, tensor_group
 
 # torch 2.13 renamed the tensor collectives; older torch has only the old names (as fastzero.comm.collectives)
@@ -84,7 +84,10 @@ def _gather(x: Tensor, dim: int, group, async_op: bool = False):
     # gather along dim 0 of the moved tensor, then move the dim back: one collective whatever the dim
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _dist_all_gather(out, front, group=group, async_op=async_op)
+    if dist.get_backend(group) == "gloo":  # Gloo's own all-gather is the slow path (docs/zero.md)
+        work = all_gather_by_send_recv(out, front, group, async_op=async_op)
+    else:
+        work = _dist_all_gather(out, front, group=group, async_op=async_op)
 
     def finish() -> Tensor:
         return out.movedim(0, dim).contiguous()
