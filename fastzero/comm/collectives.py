@@ -69,11 +69,6 @@ class _Exchange:
 
     def __init__(self, works: list) -> None:
         self.works = works
-        # alive until done even if its handle is dropped (an engine discarded with gathers in flight): a
-        # receive freed early would leave its peer's bytes to land nowhere, or in a later receive
-        _in_flight[:] = [x for x in _in_flight if not x.is_completed()]
-        if works:
-            _in_flight.append(self)
 
     def wait(self) -> bool:
         while self.works:  # each once: waiting on a finished Gloo receive again would wait for another
@@ -81,11 +76,18 @@ class _Exchange:
             self.works.pop(0)
         return True
 
-    def is_completed(self) -> bool:
+    def is_completed(self) -> bool:  # Gloo's say so only once waited on
         return all(w.is_completed() for w in self.works)
 
+    def __del__(self) -> None:
+        # dropped unwaited (an engine discarded with its gathers in flight): waited here, as freeing a receive
+        # early would leave its peer's bytes nowhere to land. Short: every peer posts its side at launch
+        try:
+            self.wait()
+        except Exception:  # the group is gone (destroyed, a peer died): nothing left to keep
+            pass
 
-_in_flight: list[_Exchange] = []
+
 _tags: dict[str, int] = {}  # group name -> exchanges launched on it by this process
 
 

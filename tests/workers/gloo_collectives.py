@@ -6,6 +6,7 @@ over Gloo, against torch's all-gather, several in flight at once, in place
 and not, on the world and on a group of other ranks; mismatched sizes
 refused."""
 
+import gc
 import sys
 
 import torch
@@ -47,6 +48,15 @@ def check_all_gather(comm: Comm, rank: int, world: int) -> int:
             dist.all_gather(everyone, x, group=comm.group)
             assert torch.equal(out, torch.cat(everyone)), (dtype, x.numel())
             checked += 1
+    # a handle dropped unwaited (an engine discarded with its gathers in flight) still delivers, and the next
+    # all-gather on the group gets its own bytes, not the dropped one's
+    dropped_out, next_out = torch.zeros(world * 1000), torch.zeros(world * 1000)
+    comm.all_gather(dropped_out, torch.full((1000,), float(rank + 1)), "test")
+    gc.collect()
+    comm.all_gather(next_out, torch.full((1000,), float(-rank - 1)), "test").wait()
+    ranks = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(1000)
+    assert torch.equal(dropped_out, ranks) and torch.equal(next_out, -ranks)
+    checked += 1
     comm.all_gather(torch.empty(0), torch.empty(0), "test").wait()  # nothing to move: no error
     assert comm.events("all_gather")[-1].wire_bytes == 0
     try:
