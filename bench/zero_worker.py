@@ -166,7 +166,8 @@ class Fastzero(Job):
         # stages 1-2: all in flight together after the step, their span is the all-gather's time (stage 3 gathers
         # each param when a module needs it: tagged "param:NAME", not counted here). With overlap_comm step()
         # returns with them in flight and the next forward waits per bucket: read them one step later, when
-        # done, with the time that forward's pre-hooks blocked on them (CommEvent.waited)
+        # done, with the time that forward's pre-hooks blocked on them (CommEvent.waited). Over Gloo an all-gather's
+        # `done` is when it was waited on (its sends and receives have no completion callback): an upper bound
         prev = self.launched
         span = max(ev.done for ev in prev) - min(ev.launched for ev in prev) if prev else 0.0
         self.extra["allgather_ms"].append(span * 1e3)
