@@ -2,7 +2,8 @@
 layer uses over Gloo (an all-to-all plus a rank-order sum; sends and
 receives), at a few sizes, one thread per rank, the variants alternated
 call by call so machine noise hits both alike. Prints medians (ms) and
-ratios on rank 0; the figures in docs/zero.md come from it:
+ratios on rank 0, then stage 3's pattern (all-gathers between the
+matmuls that use them); the figures in docs/zero.md come from it:
 
     torchrun --nproc-per-node 2 -m bench.gloo_collectives [--sizes-mb 1 8 32] [--calls 33]
 """
@@ -68,7 +69,43 @@ def main() -> None:
                 f"| {ag['gloo']:.2f} | {ag['ours']:.2f} | {ag['gloo'] / ag['ours']:.2f}x |",
                 flush=True,
             )
+    between_matmuls(args.calls, rank, world)
     dist.destroy_process_group()
+
+
+def between_matmuls(calls: int, rank: int, world: int) -> None:
+    """Stage 3's pattern: 8 all-gathers of a 4 MB param, each followed by
+    the matmul that uses it (waited at once, or the next one launched first)."""
+    x, weight, shard = torch.randn(64, 1024), torch.randn(1024, 1024), torch.randn(2**20 // world)
+    outs = [torch.empty(2**20), torch.empty(2**20)]
+
+    def run(gather, ahead: bool) -> None:
+        y, work = x, gather(outs[0], shard, async_op=True) if ahead else None
+        for i in range(8):
+            if ahead:
+                nxt = gather(outs[(i + 1) % 2], shard, async_op=True) if i < 7 else None
+                work.wait()
+                work = nxt
+            else:
+                gather(outs[0], shard)
+            y = torch.nn.functional.gelu(y @ weight)
+
+    ms = _median_ms(
+        {
+            "gloo": partial(run, _all_gather, False),
+            "ours": partial(run, all_gather_by_send_recv, False),
+            "gloo ahead": partial(run, _all_gather, True),
+            "ours ahead": partial(run, all_gather_by_send_recv, True),
+        },
+        calls,
+    )
+    if rank == 0:
+        print("\n8 x (all-gather of 4 MB, then a 64 x 1024 x 1024 matmul), ms:")
+        print(f"| waited at once | Gloo {ms['gloo']:.2f} | ours {ms['ours']:.2f} | {ms['gloo'] / ms['ours']:.2f}x |")
+        print(
+            f"| next launched first | Gloo {ms['gloo ahead']:.2f} | ours {ms['ours ahead']:.2f} "
+            f"| {ms['gloo ahead'] / ms['ours ahead']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
