@@ -18,10 +18,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from fastzero.comm.collectives import all_gather_by_send_recv, reduce_scatter_by_all_to_all
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from fastzero.comm.collectives import (  # _all_gather, _reduce_scatter: Gloo's own, by torch's current names
+    _all_gather,
+    _reduce_scatter,
+    all_gather_by_send_recv,
+    reduce_scatter_by_all_to_all,
+)
 
 
 def _median_ms(variants: dict, calls: int, warmup: int = 3) -> dict[str, float]:

@@ -76,9 +76,6 @@ class _Exchange:
             self.works.pop(0)
         return True
 
-    def is_completed(self) -> bool:  # Gloo's say so only once waited on
-        return all(w.is_completed() for w in self.works)
-
     def __del__(self) -> None:
         # dropped unwaited (an engine discarded with its gathers in flight): waited here, as freeing a receive
         # early would leave its peer's bytes nowhere to land. Short: every peer posts its side at launch
@@ -94,9 +91,9 @@ _tags: dict[str, int] = {}  # group name -> exchanges launched on it by this pro
 def _next_tag(group) -> int:
     """A tag of its own for each exchange on `group`, the same on every rank
     (each rank launches the group's exchanges in the same order, as
-    collectives require): a send can only match the receive it was meant
-    for, even beside another engine's leftover exchanges on the same group.
-    Above the small tags users' own sends and receives pick."""
+    collectives require): with several gathers in flight on one group, a
+    send can only match the receive it was meant for. Above the small tags
+    users' own sends and receives pick."""
     name = (group or dist.group.WORLD).group_name
     n = _tags.get(name, 0)
     _tags[name] = n + 1
