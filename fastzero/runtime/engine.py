@@ -272,6 +272,7 @@ class Engine(torch.nn.Module):
         self._gather_depth = 0  # nested gathered() blocks
         self._warned_codes = False  # state_dict() at stages 1-2 with qwZ said what it holds
         self._grads_fresh = True  # no backward since the gradients were last zeroed
+        self._grads_reduced = False  # a boundary backward reduced the gradients and no step has used them yet
         self._step_applied = False  # the last optimizer step updated the params
         self.grad_norm: float | None = None
         self.last_loss: Tensor | None = None
@@ -670,6 +671,7 @@ class Engine(torch.nn.Module):
             group.end_backward()
         if self.fetcher is not None:
             self.fetcher.end_backward()
+        self._grads_reduced = reduce
         self.timers["backward"] += time.perf_counter() - start
 
     def step(self) -> None:
@@ -691,8 +693,7 @@ class Engine(torch.nn.Module):
             self._check_all_used()
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         compressing = self._compressing()
-        # local grads (1-bit Adam past freeze_step) are averaged over ranks by the compressed exchange
-        divisor = scale * (1 if compressing else self._post_divide) * self.gradient_accumulation_steps()
+        divisor = self.grad_divisor()
         clip = self._config.gradient_clipping
         # every step: it is also the non-finite check, agreed by every rank (one tiny all-reduce)
         self.grad_norm = (self._local_grad_norm() if compressing else self._grad_norm()) / divisor
@@ -768,10 +769,20 @@ class Engine(torch.nn.Module):
         if self.global_rank == 0:
             warnings.warn(f"{what}; the step is skipped on every rank (non_finite_grads: skip)", RuntimeWarning, 2)
 
+    def grad_divisor(self) -> float:
+        """What the reduced gradients (:meth:`ZeroGroup.grads`: summed over
+        ranks and micro-batches, times the loss scale) are divided by to give
+        the average gradient the step uses (before clipping)."""
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        # local grads (1-bit Adam past freeze_step) are averaged over ranks by the compressed exchange
+        ranks = 1 if self._compressing() else self._post_divide
+        return scale * ranks * self.gradient_accumulation_steps()
+
     def _zero_grads(self) -> None:
         for group in self.groups:
             group.zero_grads()
         self._grads_fresh = True
+        self._grads_reduced = False
 
     def _grad_norm(self) -> float:
         """The global L2 norm of the summed gradients: a local sum of squares

@@ -25,7 +25,7 @@ error-feedback buffers) goes through ``rank_state``/``load_rank_state``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -110,6 +110,19 @@ class ZeroGroup(Protocol):
         ``.grad`` set (called once, when the optimizer is built)."""
         ...
 
+    def reduced_grads(self) -> list[Tensor]:
+        """Per tensor of :meth:`optimizer_params`, in order, this rank's
+        reduced gradient of it (summed over ranks, not averaged): passed to
+        :meth:`owned` in place of the optimizer's tensors, it places each
+        owned piece's gradient."""
+        ...
+
+    def set_whole(self, i: int, value: Tensor) -> None:
+        """``params[i]``, where this rank holds it whole, set to `value` (the
+        same on every rank): after its pieces were written (a param set from
+        outside, ``fastzero.utils.safe_set_full_fp32_param``)."""
+        ...
+
     def gather(self) -> list[Handle]:
         """After the step: brings the updated params back to where the model
         uses them; the engine waits for the handles."""
@@ -153,16 +166,21 @@ class ZeroGroup(Protocol):
                 return piece.name
         return None
 
-    def pieces_out(self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor]) -> list[PieceState]:
+    def pieces_out(
+        self, optimizer: torch.optim.Optimizer, opt_params: list[Tensor], names: Container[str] | None = None
+    ) -> list[PieceState]:
         """Pieces out: the fp32 master and every per-element state tensor of
-        each owned piece, as views of the live state (Adam's created as the
-        first step would create it when no step has run), and the scalar state
-        of its optimizer tensor. States in a packed format (bf16, int8) are
-        fp32 values instead, decoded once per optimizer tensor into CPU
-        memory (:mod:`fastzero.runtime.packed_states`)."""
+        each owned piece (of the params `names`, None: all), as views of the
+        live state (Adam's created as the first step would create it when no
+        step has run), and the scalar state of its optimizer tensor. States
+        in a packed format (bf16, int8) are fp32 values instead, decoded once
+        per optimizer tensor into CPU memory
+        (:mod:`fastzero.runtime.packed_states`)."""
         out = []
         decoded: tuple[Tensor, dict] | None = None  # packed formats: the last optimizer tensor's states, decoded
         for piece in self.owned(opt_params):
+            if names is not None and piece.name not in names:
+                continue
             live = param_state(optimizer, piece.opt_param)
             # fastzero's fused optimizers: state["step"] mirrors the group's counter, which the manifest keeps
             scalars = {} if getattr(optimizer, "group_steps", False) else _scalars(live)

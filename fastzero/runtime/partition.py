@@ -223,6 +223,18 @@ class FlatGroup(CompressingGroup):
         """This rank's reduced gradient (summed over ranks, not yet averaged)."""
         return self.flat_grad if self.stage == 0 else self.grad_shard
 
+    def reduced_grads(self) -> list[Tensor]:
+        """Per tensor of :meth:`optimizer_params` (in order), this rank's
+        reduced gradient of it: each param's view of the flat gradient
+        (stage 0) or the shard's chunk of each bucket (stages 1-2)."""
+        if self.stage == 0:
+            return [self._view(self.flat_grad, i) for i in range(len(self.params))]
+        return [self.grad_shard[b.shard_start : b.shard_start + b.chunk] for b in self.layout.buckets]
+
+    def set_whole(self, i: int, value: Tensor) -> None:
+        """Param i as the model reads it set to `value` (every rank holds it whole)."""
+        self._view(self.flat, i).copy_(value.reshape(self.shapes[i]))
+
     def local_grads(self) -> Tensor:
         """Stages 0-1: this rank's own gradients, before any reduction."""
         return self.flat_grad

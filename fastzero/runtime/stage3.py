@@ -415,6 +415,18 @@ class Stage3Group(ZeroGroup):
     def grads(self) -> Tensor:
         return self.grad_shard
 
+    def reduced_grads(self) -> list[Tensor]:
+        """Per unit (the tensors of :meth:`optimizer_params`), its reduced gradient shard."""
+        return [u.grad_shard for u in self.units]
+
+    def set_whole(self, i: int, value: Tensor) -> None:
+        """Param i's gathered copy set to `value` where it stays gathered
+        (persistent); a partitioned one is gathered from the shards when next used."""
+        u = self.units[i]
+        if u.persistent and u.full is not None:
+            u.wait()
+            u.full[: u.shape.numel()].copy_(value.reshape(-1))
+
     def zero_grads(self) -> None:
         pass  # the first micro-batch's reduce-scatter overwrites the shard
 
