@@ -769,6 +769,11 @@ class Engine(torch.nn.Module):
         if self.global_rank == 0:
             warnings.warn(f"{what}; the step is skipped on every rank (non_finite_grads: skip)", RuntimeWarning, 2)
 
+    def has_reduced_grads(self) -> bool:
+        """Whether the gradients hold what a boundary backward reduced for
+        the step, not yet used by it (:mod:`fastzero.runtime.param_access`)."""
+        return self._grads_reduced
+
     def grad_divisor(self) -> float:
         """What the reduced gradients (:meth:`ZeroGroup.grads`: summed over
         ranks and micro-batches, times the loss scale) are divided by to give

@@ -198,11 +198,7 @@ def set_local(p: Tensor, value: Tensor, key: str | None = None) -> None:
     if hi > lo:
         _write(slot, PieceState(slot.name, lo, hi, {key: src}), key)
     if key == MASTER:
-        unit = slot.group.units[slot.index]
-        if unit.persistent and unit.full is not None:
-            unit.wait()
-            unit.handle = unit.refresh(exact=True)
-            unit.wait()
+        slot.group.regather(slot.index)
 
 
 def get_local_grad(p: Tensor) -> Tensor:
@@ -293,14 +289,9 @@ def _window(piece) -> Tensor:
 
 
 def _check_reduced(slot: _Slot, what: str) -> None:
-    engine = slot.engine
-    if engine._grads_reduced:
-        return
-    if engine._compressing():
-        why = "past 1-bit Adam's freeze_step the gradients stay local and are exchanged compressed inside step()"
-    else:
-        why = (
-            "the gradients are reduced by engine.backward(loss) on the step's last micro-batch (the "
-            "accumulation boundary) and used up by engine.step()"
+    if not slot.engine.has_reduced_grads():
+        raise RuntimeError(
+            f"{what}({slot.name}): there is no reduced gradient now: engine.backward(loss) reduces the gradients "
+            "on the step's last micro-batch (the accumulation boundary) and engine.step() uses them up; call it "
+            "between the two (past 1-bit Adam's freeze_step there is none: the gradients stay local)"
         )
-    raise RuntimeError(f"{what}({slot.name}): there is no reduced gradient now: {why}; call it between the two")

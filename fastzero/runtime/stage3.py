@@ -419,6 +419,16 @@ class Stage3Group(ZeroGroup):
         """Per unit (the tensors of :meth:`optimizer_params`), its reduced gradient shard."""
         return [u.grad_shard for u in self.units]
 
+    def regather(self, i: int) -> None:
+        """Param i's gathered copy, where it stays gathered (persistent),
+        gathered again from every rank's shard: a collective, after this
+        rank's shard of it changed alone."""
+        u = self.units[i]
+        if u.persistent and u.full is not None:
+            u.wait()
+            u.handle = u.refresh(exact=True)
+            u.wait()
+
     def set_whole(self, i: int, value: Tensor) -> None:
         """Param i's gathered copy set to `value` where it stays gathered
         (persistent); a partitioned one is gathered from the shards when next used."""
