@@ -575,6 +575,112 @@ class Engine(torch.nn.Module):
         offload = self._config.zero_optimization.offload_optimizer
         return offload if offload.device != "none" else None
 
+    def zero_offload_param(self):
+        """The offload_param section when it offloads, else None."""
+        offload = self._config.zero_optimization.offload_param
+        return offload if offload.device != "none" else None
+
+    def zero_cpu_offload(self) -> bool:
+        return self.zero_offload_optimizer() is not None
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.stage >= 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def zero_overlap_comm(self) -> bool:
+        return self._config.zero_optimization.overlap_comm
+
+    def zero_reduce_bucket_size(self) -> int:
+        return self._config.zero_optimization.reduce_bucket_size
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self._config.zero_optimization.allgather_bucket_size
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self._config.zero_optimization.contiguous_gradients
+
+    def zero_reduce_scatter(self) -> bool:
+        return self._config.zero_optimization.reduce_scatter
+
+    def zero_allgather_partitions(self) -> bool:
+        return self._config.zero_optimization.allgather_partitions
+
+    def zero_sub_group_size(self) -> int:
+        return self._config.zero_optimization.sub_group_size
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return self._config.zero_optimization.stage3_prefetch_bucket_size
+
+    def zero_param_persistence_threshold(self) -> int:
+        return self._config.zero_optimization.stage3_param_persistence_threshold
+
+    def zero_max_live_parameters(self) -> int:
+        return self._config.zero_optimization.stage3_max_live_parameters
+
+    def zero_max_reuse_distance(self) -> int:
+        return self._config.zero_optimization.stage3_max_reuse_distance
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        return self._config.zero_optimization.ignore_unused_parameters
+
+    def zero_round_robin_gradients(self) -> bool:
+        return self._config.zero_optimization.round_robin_gradients
+
+    def zero_elastic_checkpoint(self) -> bool:
+        return self._config.zero_optimization.elastic_checkpoint
+
+    def zero_load_from_fp32_weights(self) -> bool:
+        return self._config.zero_optimization.load_from_fp32_weights
+
+    def zero_quantized_weights(self) -> bool:
+        return self._config.zero_optimization.zero_quantized_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        return self._config.zero_optimization.zero_quantized_gradients
+
+    def zero_quantized_nontrainable_weights(self) -> bool:
+        return self._config.zero_optimization.zero_quantized_nontrainable_weights
+
+    def zero_hpz_partition_size(self) -> int:
+        return self._config.zero_optimization.zero_hpz_partition_size
+
+    def zero_allow_untested_optimizer(self) -> bool:
+        return self._config.zero_allow_untested_optimizer
+
+    def postscale_gradients(self) -> bool:
+        return not self._config.prescale_gradients
+
+    def gradient_predivide_factor(self) -> float:
+        return self._config.gradient_predivide_factor
+
+    def fp16_auto_cast(self) -> bool:
+        return self._config.fp16.auto_cast
+
+    def initial_dynamic_scale(self) -> float:
+        return 2.0**self._config.fp16.initial_scale_power
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self._config.bf16.bf16_master_weights_and_grads
+
+    def amp_enabled(self) -> bool:
+        return False  # NVIDIA apex's amp: not supported (the config check refuses its section)
+
+    def autotp_size(self) -> int:
+        return self._config.tensor_parallel.autotp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    def get_tensor_parallel_rank(self) -> int:
+        return 0 if self.tensor_comm is None else self.tensor_comm.rank
+
+    get_model_parallel_rank = get_tensor_parallel_rank
+
     def steps_per_print(self) -> int:
         return self._config.steps_per_print
 
@@ -1002,11 +1108,13 @@ class Engine(torch.nn.Module):
             self.refresh_from_module()
         return result
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+    def save_16bit_model(
+        self, save_dir, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """The whole model in its training dtype, written by rank 0 (every
-        rank calls it). At stage 3 only with
-        ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed; returns
-        whether it was saved."""
+        rank calls it), without the frozen params if asked. At stage 3 only
+        with ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed;
+        returns whether it was saved."""
         self._refuse_tensor_parallel("save_16bit_model")
         if self.stage == 3 and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             warnings.warn(
@@ -1015,10 +1123,7 @@ class Engine(torch.nn.Module):
                 stacklevel=2,
             )
             return False
-        with self.gathered() as module:
-            state = (
-                {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if self.comm.rank == 0 else None
-            )
+        state = self._whole_state(exclude_frozen_parameters)
         if state is not None:
             path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -1026,10 +1131,29 @@ class Engine(torch.nn.Module):
         self.comm.barrier()
         return True
 
-    @contextlib.contextmanager
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's (Accelerate saves stage-3 models through it): the
+        whole model's state dict in its training dtype, on the CPU, on rank
+        0, and None on the others; every rank calls it."""
+        if self.stage != 3:
+            raise ValueError(
+                f"_zero3_consolidated_16bit_state_dict is for ZeRO stage 3, and this engine runs stage {self.stage}, "
+                "where every rank holds the whole model: use engine.module_state_dict()"
+            )
+        self._refuse_tensor_parallel("_zero3_consolidated_16bit_state_dict")
+        return self._whole_state(exclude_frozen_parameters)
+
+    def _whole_state(self, exclude_frozen: bool) -> dict | None:
+        """Rank 0: CPU copies of the whole module's state dict (params gathered); None elsewhere."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
+        with self.gathered() as module:
+            if self.comm.rank != 0:
+                return None
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in frozen}
 
     def module_state_dict(
         self, destination=None, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False

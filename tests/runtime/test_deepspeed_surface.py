@@ -109,6 +109,113 @@ def test_deepspeeds_config_getters_and_attributes(monkeypatch):
     assert client.optimizer_name() == "SGD" and client.get_mom() == [0.9]
 
 
+def test_deepspeeds_zero_config_getters_read_the_config():
+    zero = {
+        "stage": 3,
+        "overlap_comm": False,
+        "reduce_bucket_size": 1234,
+        "stage3_prefetch_bucket_size": 55,
+        "stage3_param_persistence_threshold": 77,
+        "stage3_max_live_parameters": 999,
+        "stage3_max_reuse_distance": 888,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "sub_group_size": 4321,
+        "offload_optimizer": {"device": "cpu"},
+    }
+    config = cfg(zero_optimization=zero, gradient_predivide_factor=2.0, zero_allow_untested_optimizer=True)
+    engine, *_ = fastzero.initialize(model=make_model(), config=config)
+    got = {name: getattr(engine, name)() for name in DS_GETTERS}
+    assert got == {
+        "zero_optimization_partition_weights": True,
+        "zero_optimization_partition_gradients": True,
+        "zero_gather_16bit_weights_on_model_save": True,
+        "zero_overlap_comm": False,
+        "zero_reduce_bucket_size": 1234,
+        "zero_prefetch_bucket_size": 55,
+        "zero_param_persistence_threshold": 77,
+        "zero_max_live_parameters": 999,
+        "zero_max_reuse_distance": 888,
+        "zero_sub_group_size": 4321,
+        "zero_cpu_offload": True,
+        "zero_offload_param": None,
+        "zero_quantized_weights": False,
+        "zero_hpz_partition_size": 1,
+        "zero_allow_untested_optimizer": True,
+        "postscale_gradients": True,
+        "gradient_predivide_factor": 2.0,
+        "initial_dynamic_scale": 2.0**16,
+        "amp_enabled": False,
+        "autotp_size": 0,
+        "get_data_parallel_rank": 0,
+        "get_model_parallel_rank": 0,
+        "get_tensor_parallel_rank": 0,
+    }
+    plain, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 1}))
+    assert not plain.zero_optimization_partition_gradients() and not plain.zero_cpu_offload()
+
+
+DS_GETTERS = (
+    "zero_optimization_partition_weights",
+    "zero_optimization_partition_gradients",
+    "zero_gather_16bit_weights_on_model_save",
+    "zero_overlap_comm",
+    "zero_reduce_bucket_size",
+    "zero_prefetch_bucket_size",
+    "zero_param_persistence_threshold",
+    "zero_max_live_parameters",
+    "zero_max_reuse_distance",
+    "zero_sub_group_size",
+    "zero_cpu_offload",
+    "zero_offload_param",
+    "zero_quantized_weights",
+    "zero_hpz_partition_size",
+    "zero_allow_untested_optimizer",
+    "postscale_gradients",
+    "gradient_predivide_factor",
+    "initial_dynamic_scale",
+    "amp_enabled",
+    "autotp_size",
+    "get_data_parallel_rank",
+    "get_model_parallel_rank",
+    "get_tensor_parallel_rank",
+)
+
+
+def test_save_fp16_model_and_frozen_params_in_16bit_saves(tmp_path):
+    """save_fp16_model (DeepSpeed's older name) writes what save_16bit_model writes; exclude_frozen_parameters
+    leaves the frozen params out."""
+    model = make_model()
+    model[3].weight.requires_grad_(False)
+    engine, *_ = fastzero.initialize(model=model, config=cfg(bf16={"enabled": True}))
+    train(engine, batches(2))
+    assert engine.save_fp16_model(tmp_path / "a") and engine.save_16bit_model(tmp_path / "b")
+    a, b = (torch.load(tmp_path / d / "pytorch_model.bin") for d in ("a", "b"))
+    assert a.keys() == b.keys() == engine.module.state_dict().keys()
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == torch.bfloat16 for k in a)
+    assert engine.save_16bit_model(tmp_path / "c", exclude_frozen_parameters=True)
+    c = torch.load(tmp_path / "c" / "pytorch_model.bin")
+    assert c.keys() == a.keys() - {"3.weight"}
+
+
+def test_zero3_consolidated_16bit_state_dict_is_the_whole_model_on_rank_0():
+    """Accelerate's route to a stage-3 model's weights."""
+    model = make_model()
+    model[0].bias.requires_grad_(False)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    engine, *_ = fastzero.initialize(model=model, config=cfg(bf16={"enabled": True}, zero_optimization=zero))
+    train(engine, batches(2))
+    sd = engine._zero3_consolidated_16bit_state_dict()
+    with engine.gathered() as module:
+        want = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    assert all(p.numel() == 0 for p in engine.module.parameters() if p.requires_grad)  # partitioned again
+    assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
+    assert sd["0.weight"].dtype == torch.bfloat16 and sd["0.weight"].shape == (65, 33)
+    assert "0.bias" not in engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    flat, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 2}))
+    with pytest.raises(ValueError, match="module_state_dict"):
+        flat._zero3_consolidated_16bit_state_dict()
+
+
 def test_set_gradient_accumulation_boundary_decides_when_step_steps():
     """Accelerate's way: the boundary set before each micro-batch, step()
     called after each; only the micro-batch marked True steps."""
