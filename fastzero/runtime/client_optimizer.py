@@ -33,6 +33,47 @@ from fastzero.config import ConfigError
 from fastzero.ops.optimizer_base import LossScaleViews
 
 
+class LinkedGroup(dict):
+    """A param group of the script's own optimizer after the engine replaced
+    it: a key set on it (``group["lr"] = ...``, as lr schedulers do) is set
+    on the engine optimizer's groups built from it too."""
+
+    def __init__(self, group: dict, targets: list[dict]) -> None:
+        super().__init__(group)
+        self.targets = targets
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key != "params":
+            for target in self.targets:
+                target[key] = value
+
+
+def link_client_groups(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer, params: list[list[Tensor]]):
+    """The script's optimizer, which the engine rebuilt as `optimizer` (its
+    groups over `params`, the model's params of each), keeps steering it:
+    each of its param groups becomes a :class:`LinkedGroup` of the engine's
+    groups built from it, so an lr scheduler built on it and stepped by the
+    script (DeepSpeed runs the script's optimizer itself, so such a
+    scheduler works there) sets the lrs the engine's steps use. Keys the
+    engine's groups lack (a scheduler's ``initial_lr``) are copied over."""
+    owner = {}
+    for ci, group in enumerate(client.param_groups):
+        for p in [group["params"]] if isinstance(group["params"], Tensor) else group["params"]:
+            owner[id(p)] = ci
+    targets: dict[int, list[dict]] = {}
+    for own, group in zip(params, optimizer.param_groups, strict=True):
+        targets.setdefault(owner[id(own[0])], []).append(group)
+    for ci, group in enumerate(client.param_groups):
+        for target in targets.get(ci, ()):
+            target.update({k: v for k, v in group.items() if k != "params" and k not in target})
+        if ci in targets:
+            client.param_groups[ci] = LinkedGroup(group, targets[ci])
+    # torch's schedulers warn on their first step() unless the optimizer's step() ran; the engine's steps stand
+    # in for the script's optimizer's, which never runs
+    client._opt_called = True
+
+
 def sub_groups(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:
     """`tensors`, in order, cut into runs of at most `limit` elements (a
     tensor larger than `limit` alone)."""

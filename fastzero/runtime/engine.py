@@ -44,6 +44,7 @@ from fastzero.ops.norms import sum_of_squares
 from fastzero.parallel import ProcessTopology, Topology, current, data_group, is_tensor_parallel, set_current
 from fastzero.parallel.groups import tensor_group
 from fastzero.runtime.agreement import check_start
+from fastzero.runtime.client_optimizer import link_client_groups
 from fastzero.runtime.groups import ZeroGroup, mark_owner
 from fastzero.runtime.loss_scaler import loss_scaler_from_config
 from fastzero.runtime.lr_schedules import SCHEDULES
@@ -240,6 +241,8 @@ class Engine(torch.nn.Module):
             optimizer,
             master_weights=self.dtype != torch.float32 and not no_master,
         )
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer is not self.optimizer:
+            link_client_groups(optimizer, self.optimizer, [g.params for g in self.groups])
         self.onebit = isinstance(self.optimizer, OneBitBase)  # the 1-bit family
         if self.onebit and model_parallel:
             raise ConfigError(

@@ -287,6 +287,40 @@ def test_the_engine_optimizer_shares_groups_and_state_with_the_rebuilt_one():
         opt.step(lambda: 0.0)
 
 
+@pytest.mark.parametrize(("stage", "kind"), [(0, "AdamW"), (1, "AdamW"), (3, "AdamW"), (1, "SGD")])
+def test_a_scheduler_on_the_scripts_own_optimizer_steers_the_engine(stage, kind):
+    """A scheduler built on the optimizer the script passed, kept and stepped by the script (not passed to
+    initialize; Hugging Face's Trainer does this): the engine's steps use its lrs, per param group, as the
+    script's optimizer does in plain torch."""
+
+    def setup(model):
+        first, rest = list(model[0].parameters()), list(model[2].parameters()) + list(model[3].parameters())
+        groups = [{"params": first, "weight_decay": 0.1}, {"params": rest, "lr": 3e-3}]
+        opt = torch.optim.AdamW(groups, lr=1e-2) if kind == "AdamW" else torch.optim.SGD(groups, lr=0.1)
+        warm = lambda s: min(1.0, (s + 1) / 3)  # a warm-up: lr 1/3 of the base, then 2/3, then the base
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, [warm, lambda s: 0.5**s])
+
+    ref = make_model()
+    ropt, rsched = setup(ref)
+    model = make_model()
+    opt, sched = setup(model)
+    extra = {} if kind == "AdamW" else {"zero_allow_untested_optimizer": True}
+    engine, *_ = fastzero.initialize(model=model, optimizer=opt, config=_cfg(stage, gradient_clipping=0.0, **extra))
+    for step in range(4):
+        x, y = global_batch(step, MICRO)
+        ropt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ropt.step()
+        rsched.step()
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        sched.step()
+        assert engine.get_lr() == [g["lr"] for g in ropt.param_groups], step
+    with engine.gathered():
+        got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    assert_params(got, dict(ref.named_parameters()), rtol=1e-5, atol=1e-6)
+
+
 def test_sub_groups_cut_whole_tensors_at_the_limit():
     ts = [torch.zeros(n) for n in (3, 4, 10, 1, 1, 2)]
     assert [[t.numel() for t in g] for g in sub_groups(ts, 7)] == [[3, 4], [10], [1, 1, 2]]
