@@ -46,9 +46,12 @@ def _opt(
     high: float | None = None,
     low_open: bool = False,
     nullable: bool = False,
+    infinite: bool = False,
 ) -> Any:
-    """A field with its check: kind is bool, int, float, str, choice or dict."""
+    """A field with its check: kind is bool, int, float, str, choice or dict;
+    `infinite`: a number that may also be infinity (never)."""
     meta = dict(kind=kind, choices=choices, low=low, high=high, low_open=low_open, nullable=nullable)
+    meta["infinite"] = infinite
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -475,7 +478,8 @@ class Config:
     # fp16) or raises; under fp16 the loss scaler skips and lowers the scale
     non_finite_grads: str = _opt("skip", "choice", choices=("skip", "raise"))
     zero_optimization: ZeroConfig = _section(ZeroConfig)
-    steps_per_print: int = _opt(10, "int", low=1)
+    # infinity: never (Accelerate sets it so)
+    steps_per_print: int | float = _opt(10, "int", low=1, infinite=True)
     dataloader_drop_last: bool = _opt(False, "bool")  # the training_data loader drops a last, short micro-batch
     wall_clock_breakdown: bool = _opt(False, "bool")
     # memory in use (device or process, and model states by kind) logged every steps_per_print steps
@@ -507,6 +511,8 @@ def _check_value(path: str, value: Any, meta: dict) -> Any:
             raise ConfigError(f"{path} = {value!r}: must be true or false")
         return value
     if kind in ("int", "float"):
+        if meta.get("infinite") and value == math.inf:
+            return value
         # bool is an int in Python; a config that says `true` for a number is wrong
         ok = isinstance(value, int) and not isinstance(value, bool)
         if kind == "float":

@@ -81,7 +81,10 @@ KEYS: dict[str, Key] = {
         "fastzero always tracks micro-steps and steps at the accumulation boundary (DeepSpeed's default true); "
         "a client-owned boundary is not implemented"
     ),
-    "steps_per_print": done("how often the engine logs its metrics (loss, lr, grad norm, samples/s, ...)"),
+    "steps_per_print": done(
+        "how often the engine logs its metrics (loss, lr, grad norm, samples/s, ...); infinity: never "
+        "(Accelerate sets it)"
+    ),
     "wall_clock_breakdown": done("the logged metrics add the forward/backward/step time split"),
     "dataloader_drop_last": done("the training_data loader drops a last, short micro-batch"),
     "log_level": refused("fastzero logs with the logging module; set the 'fastzero' logger's level"),

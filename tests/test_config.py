@@ -2,6 +2,7 @@
 for every key, value or combination that cannot work."""
 
 import json
+import math
 import re
 
 import pytest
@@ -83,6 +84,8 @@ def test_inconsistent_batch_sizes_show_the_arithmetic():
         (cfg(zero_optimization={"stage": 4}), r"zero_optimization.stage = 4: must be <= 3"),
         (cfg(fp16={"enabled": "yes"}), r"fp16.enabled = 'yes': must be true or false"),
         (cfg(steps_per_print=0), r"steps_per_print = 0: must be >= 1"),
+        (cfg(steps_per_print=-math.inf), r"steps_per_print = -inf: must be an integer"),
+        (cfg(gradient_clipping=math.inf), r"gradient_clipping = inf: must be a number"),
         (cfg(gradient_clipping=-1.0), r"gradient_clipping = -1.0: must be >= 0"),
         (cfg(zero_optimization={"reduce_bucket_size": True}), r"reduce_bucket_size = True: must be an integer"),
         (cfg(fp16={"min_loss_scale": 0}), r"fp16.min_loss_scale = 0: must be > 0"),

@@ -92,12 +92,14 @@ class GroupLists:
 class LossScaleViews:
     """The fp16 loss scale where DeepSpeed scripts read it: on the optimizer
     (``cur_scale``, ``loss_scale``, ``dynamic_loss_scale``, ``cur_iter``,
-    ``scale_window``, as DeepSpeed's fp16 and ZeRO optimizers have them).
+    ``scale_window``, as DeepSpeed's fp16 and ZeRO optimizers have them),
+    and ``overflow``, whether the engine skipped its last step.
     Views of the scaler the engine attaches as ``loss_scaler``; without one
     (fp32/bf16, or an optimizer used on its own) the scale is 1 and static.
     The scaler stays the source of truth: setting ``loss_scale`` sets it."""
 
     loss_scaler: Any = None  # fastzero.runtime.loss_scaler's, set by the engine under fp16
+    overflow: bool = False  # the engine's last step was skipped for a non-finite gradient (DeepSpeed's name)
 
     @property
     def cur_scale(self) -> float:

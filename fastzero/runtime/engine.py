@@ -808,6 +808,7 @@ class Engine(torch.nn.Module):
         self.grad_norm = (self._local_grad_norm() if compressing else self._grad_norm()) / divisor
         overflow = not math.isfinite(self.grad_norm)
         self._step_applied = not overflow
+        self.optimizer.overflow = overflow  # DeepSpeed's ZeRO optimizers' flag (Accelerate reads it)
         if overflow:
             self._non_finite(scale)
         else:

@@ -58,16 +58,19 @@ def test_load_module_only_takes_the_weights_and_nothing_else(tmp_path, stage):
                 assert key not in state or not state[key].any(), key
 
 
-def test_was_step_applied_follows_skipped_steps():
+def test_was_step_applied_and_optimizer_overflow_follow_skipped_steps():
     engine, *_ = fastzero.initialize(model=make_model(), config=cfg())
-    assert not engine.was_step_applied()
+    assert not engine.was_step_applied() and not engine.optimizer.overflow
     train(engine, batches(1))
-    assert engine.was_step_applied()
+    assert engine.was_step_applied() and not engine.optimizer.overflow
     x, y = batches(1)[0]
     with pytest.warns(RuntimeWarning, match="skipped on every rank"):
         engine.backward(torch.nn.functional.mse_loss(engine(x), y) * math.nan)
         engine.step()
     assert not engine.was_step_applied() and engine.skipped_steps == 1
+    assert engine.optimizer.overflow  # DeepSpeed's ZeRO optimizers' flag, which Accelerate reads
+    train(engine, batches(1))
+    assert not engine.optimizer.overflow
 
 
 def test_empty_partition_cache_releases_gathered_params_at_stage3():

@@ -7,6 +7,7 @@ hand-counted FLOPs, and training unchanged by it); their config keys."""
 import glob
 import json
 import logging
+import math
 import re
 import struct
 import sys
@@ -104,6 +105,13 @@ def test_memory_breakdown_logs_at_steps_per_print(caplog):
     assert expected["optimizer"] == 2 * 4 * MLP_PARAMS and expected["params"] >= 4 * MLP_PARAMS
     rss = [re.fullmatch(r"Process RSS ([\d.]+) GB Max_RSS ([\d.]+) GB", ln) for ln in lines if "RSS" in ln]
     assert len(rss) == 2 and all(m and 0 < float(m[1]) <= float(m[2]) for m in rss)
+
+
+def test_steps_per_print_infinity_never_reports():
+    """Accelerate writes steps_per_print: inf into every config it builds (DeepSpeed takes it: never print)."""
+    engine = train(cfg(steps_per_print=math.inf), steps=3)
+    assert engine.steps_per_print() == math.inf and engine.monitor.history == []
+    assert len(train(cfg(steps_per_print=1), steps=3).monitor.history) == 3  # the same run reports when asked
 
 
 def test_no_memory_lines_without_it(caplog):
