@@ -1,7 +1,7 @@
 """fp32 training at every ZeRO stage against single-process torch: a small
 GPT-2 (AdamW, weight decay, gradient clipping 1.0) on 2 Gloo ranks for 32
-steps, next to torch.optim.AdamW + clip_grad_norm_ on the union of the
-ranks' micro-batches (issue 13). A final tolerance misses a small
+steps, next to torch.optim.AdamW + clip_grad_norm_ in one process, on the
+union of the ranks' micro-batches and on each as a rank would (issue 13). A final tolerance misses a small
 systematic drift, so the test fits a least-squares line to the per-step loss
 difference and bounds its slope, and bounds each step's grad norm against
 the reference's exact one.
@@ -17,15 +17,18 @@ against torch's lerp (alone: +2.6e-9 per step at every stage). Together:
 +7.4e-9 (stage 0), +4.7e-9 (1-2) per step, and stage 3's norm 3.3e-6 off.
 Fixed: slopes within 2e-10 per step, norms within 2e-7.
 
-The ranks run torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), where the
-bounds were measured. On an AVX-512 CPU torch's own kernels make the engine's
-per-rank forward and backward and the reference's whole-batch one differ by
-more: slopes +2.0e-9 to +2.2e-9 per step at every stage and loss
-differences up to 1.0e-7 (measured 2026-12-06, AMD EPYC with AVX-512, torch
-2.13), the same to the digit at the commit before the optimizer-state work,
-while the optimizer steps (fastzero's and torch's AdamW) give the same bits
-under both, and the grad norms stay within 3e-7. What fastzero
-must not add is measured against the AVX2 run's noise.
+The tight bounds hold the engine to plain torch doing the same data
+parallelism in one process (rank 0's ``dp`` run: each rank's micro-batch
+through its own forward and backward, the gradients summed and halved,
+``clip_grad_norm_``, torch's AdamW), whose forward and backward round as the
+ranks' do. Against the whole-batch reference the bounds are loose: a
+different batch shape rounds differently in the CPU's matmul kernels, by an
+amount that depends on the CPU. On an AMD EPYC with AVX-512 plain-torch data
+parallelism drifted from it by about 2e-9 per step; on an Intel Xeon with
+AVX-512 and AMX (2026-12-07), by 1.02e-8 per step with loss differences up
+to 6.3e-7 and norms 1.8e-6 apart, ATEN_CPU_CAPABILITY=avx2 or not (MKL
+picks its kernels by the CPU), where the engine kept within 3.8e-10 per
+step, 3.0e-8 and 1.6e-7 of the ``dp`` run at every stage.
 """
 
 import json
@@ -44,13 +47,14 @@ WORKER = WORKERS / "train_drift.py"
 STAGES = (0, 1, 2, 3)
 RUN = dict(stages=list(STAGES), steps=32, lr=1e-3, weight_decay=0.01, clip=1.0)
 
-# Bounds, a few times the rounding noise of a correct engine (data-parallel
-# sums and smaller per-rank matmuls round differently: slopes within
-# +-3e-10/step, |loss difference| below 3e-8, grad norms within 2e-7; before
-# the fixes: 2e-9 to 7e-9/step, 6e-8 to 2e-7, 2e-6 to 3e-6).
+# Bounds against the plain-torch data-parallel run, a few times the rounding noise of a correct engine (slopes
+# within +-4e-10/step, |loss difference| below 3e-8, grad norms within 2e-7; before the fixes: 2e-9 to 7e-9/step,
+# 6e-8 to 2e-7, 2e-6 to 3e-6)
 MAX_SLOPE = 1.5e-9  # per step, of the fp64 loss difference
 MAX_DIFF = 8e-8
 MAX_NORM_ERR = 6e-7  # relative, each step, against the reference's fp64 norm
+# against the whole-batch reference: a few times the most a CPU's kernels were seen to add (above)
+WHOLE = dict(slope=5e-8, diff=3e-6, norm=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -68,20 +72,42 @@ def slope(y: np.ndarray) -> float:
     return float(np.polyfit(t, y, 1)[0])
 
 
+def check(loss: np.ndarray, ref_losses, norms, ref_norms, what: str, slope_max, diff_max, norm_max) -> None:
+    diff = loss - np.array(ref_losses)
+    assert len(diff) == RUN["steps"]
+    trend = slope(diff)
+    shown = " ".join(f"{d:+.1e}" for d in diff[::4])
+    assert abs(trend) < slope_max, f"{what}: loss difference trends {trend:+.2e}/step ({shown})"
+    assert np.abs(diff).max() < diff_max, f"{what}: loss difference up to {np.abs(diff).max():.2e} ({shown})"
+    norm_err = np.array(norms) / np.array(ref_norms) - 1
+    worst = int(np.abs(norm_err).argmax())
+    assert abs(norm_err[worst]) < norm_max, (
+        f"{what}: grad norm off by {norm_err[worst]:+.2e} (relative) at step {worst} (mean {norm_err.mean():+.2e})"
+    )
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_no_drift_against_torch_adamw(results, stage):
     ranks = [r[stage] for r in results]
     ref = ranks[0]
     loss = np.mean([r["losses"] for r in ranks], axis=0)  # the global batch's loss: equal micro-batches
-    diff = loss - np.array(ref["ref_losses"])
-    assert len(diff) == RUN["steps"]
-    trend = slope(diff)
-    shown = " ".join(f"{d:+.1e}" for d in diff[::4])
-    assert abs(trend) < MAX_SLOPE, f"stage {stage}: loss difference trends {trend:+.2e}/step ({shown})"
-    assert np.abs(diff).max() < MAX_DIFF, f"stage {stage}: loss difference up to {np.abs(diff).max():.2e} ({shown})"
-    norm_err = np.array(ref["norms"]) / np.array(ref["ref_norms"]) - 1
-    worst = int(np.abs(norm_err).argmax())
-    assert abs(norm_err[worst]) < MAX_NORM_ERR, (
-        f"stage {stage}: grad norm off by {norm_err[worst]:+.2e} (relative) at step {worst} "
-        f"(mean {norm_err.mean():+.2e})"
+    check(
+        loss,
+        ref["dp_losses"],
+        ref["norms"],
+        ref["dp_norms"],
+        f"stage {stage} against torch's data parallelism",
+        MAX_SLOPE,
+        MAX_DIFF,
+        MAX_NORM_ERR,
+    )
+    check(
+        loss,
+        ref["ref_losses"],
+        ref["norms"],
+        ref["ref_norms"],
+        f"stage {stage} against the whole batch",
+        WHOLE["slope"],
+        WHOLE["diff"],
+        WHOLE["norm"],
     )

@@ -5,7 +5,8 @@ reference in lockstep: the same model in one process on the union of the
 ranks' micro-batches, torch.optim.AdamW after clip_grad_norm_. Arguments: a
 JSON file with the run (stages, steps, hyperparameters, out); each rank saves
 its per-step losses and grad norms (rank 0 the reference's too: its loss and
-its gradient's norm in fp64, before clipping) to out + f".rank{rank}.pt"."""
+its gradient's norm in fp64, before clipping; and those of a plain-torch
+emulation of the ranks, :func:`dp_step`) to out + f".rank{rank}.pt"."""
 
 import json
 import sys
@@ -63,11 +64,12 @@ def train_stage(run: dict, stage: int) -> dict:
     }
     engine, *_ = fastzero.initialize(model=make_model(run), config=cfg)
     rank, world = engine.comm.rank, engine.comm.world_size
-    ref = ref_opt = None
+    ref = ref_opt = dp = dp_opt = None
     if rank == 0:
-        ref = make_model(run)
+        ref, dp = make_model(run), make_model(run)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=run["lr"], weight_decay=run["weight_decay"])
-    out = dict(losses=[], norms=[], ref_losses=[], ref_norms=[])
+        dp_opt = torch.optim.AdamW(dp.parameters(), lr=run["lr"], weight_decay=run["weight_decay"])
+    out = dict(losses=[], norms=[], ref_losses=[], ref_norms=[], dp_losses=[], dp_norms=[])
     for step in range(run["steps"]):
         tokens = global_batch(step, MICRO * world, run.get("vocab", 128))
         loss = lm_loss(engine, tokens[rank * MICRO : (rank + 1) * MICRO])
@@ -85,7 +87,29 @@ def train_stage(run: dict, stage: int) -> dict:
                 torch.nn.utils.clip_grad_norm_(params, run["clip"])
             ref_opt.step()
             out["ref_losses"].append(ref_loss.item())
+            dp_step(run, dp, dp_opt, tokens, world, out)
     return out
+
+
+def dp_step(run: dict, model, opt, tokens: torch.Tensor, world: int, out: dict) -> None:
+    """Data parallelism in plain torch, in one process: each rank's micro-batch through its own forward and
+    backward (the gradients summed as the all-reduce sums them), the sum halved, clipped, torch's AdamW. Its
+    forward and backward round as the ranks' do, so the engine is held to it closely on any CPU; the
+    whole-batch reference rounds differently, by how much depending on the CPU's matmul kernels."""
+    opt.zero_grad()
+    losses = []
+    for r in range(world):
+        loss = lm_loss(model, tokens[r * MICRO : (r + 1) * MICRO])
+        loss.backward()
+        losses.append(loss.item())
+    params = [p for p in model.parameters() if p.grad is not None]
+    for p in params:
+        p.grad.div_(world)
+    out["dp_norms"].append(float(torch.cat([p.grad.double().flatten() for p in params]).norm()))
+    if run["clip"] > 0:
+        torch.nn.utils.clip_grad_norm_(params, run["clip"])
+    opt.step()
+    out["dp_losses"].append(sum(losses) / world)
 
 
 if __name__ == "__main__":
