@@ -209,7 +209,8 @@ class ZeroGroup(Protocol):
         weights). States in a packed format (bf16, int8) are decoded to fp32
         per optimizer tensor, the pieces written into those, and encoded once
         after all are in: a piece may start mid-block."""
-        codec = packed_states.packed(optimizer) and (keys is None or any(k != "master" for k in keys))
+        packed = packed_states.packed(optimizer)
+        codec = packed and (keys is None or any(k != "master" for k in keys))
         with torch.no_grad():
             reset: set[int] = set()  # the optimizer tensors whose state was made the saved keys
             unpacked: dict[int, tuple[dict, dict]] = {}  # packed formats: optimizer tensor -> (live, decoded)
@@ -223,7 +224,8 @@ class ZeroGroup(Protocol):
                 if keys is None and sources and id(piece.opt_param) not in reset:
                     reset.add(id(piece.opt_param))
                     _reset_state(live, piece.opt_param, sources[0])
-                state = _flat_state(live, piece.opt_param)
+                # the weights alone into a packed format: its per-block state is not read
+                state = _flat_state(live, piece.opt_param) if codec or not packed else _master_only(live, piece)
                 for src in sources:
                     lo, hi = max(piece.lo, src.lo), min(piece.hi, src.hi)
                     dst = slice(piece.offset + lo - piece.lo, piece.offset + hi - piece.lo)
@@ -301,6 +303,10 @@ def _flat_state(state: dict, opt_param: Tensor) -> dict[str, Tensor]:
             )
         out[key] = value.reshape(-1)
     return out
+
+
+def _master_only(state: dict, piece: Piece) -> dict[str, Tensor]:
+    return {"master": state.get("master_param", piece.opt_param).reshape(-1)}
 
 
 def _scalars(state: dict) -> dict[str, Any]:

@@ -15,8 +15,10 @@ the rest) run on.
   it with the same value; for the fp32 param also what the model reads:
   the whole param at stages 0-2 (each rank holds it), a persistent stage-3
   param's gathered copy; a partitioned one is gathered from the new shards
-  when next used (one held gathered, by ``GatheredParameters``, at once: a
-  collective).
+  when next used. Collectives: an optimizer state's key is agreed first
+  (only the ranks owning elements of the param can check it), and at
+  stage 3 the params held gathered (``GatheredParameters``,
+  ``engine.gathered()``) are gathered again.
 * **Gradients** are the reduced ones a boundary backward left for the step
   (:meth:`~fastzero.runtime.groups.ZeroGroup.reduced_grads`: summed over
   ranks and micro-batches, times the loss scale), divided by
@@ -88,11 +90,8 @@ def _key(key: str | None) -> str:
 
 def _unknown(slot: _Slot, key: str, keys: Iterable[str] | None) -> ValueError:
     known = ", ".join(repr(k) for k in sorted(set(keys) - {MASTER})) if keys is not None else None
-    kept = f"its optimizer keeps {known} per element" if known else "its optimizer keeps no such state"
-    return ValueError(
-        f"optimizer state {key!r} of {slot.name}: {kept}; pass one of those (the fp32 param itself: "
-        "safe_get_full_fp32_param)"
-    )
+    kept = f"its optimizer keeps {known} per element; pass one of those" if known else "no such state is kept"
+    return ValueError(f"optimizer state {key!r} of {slot.name}: {kept} (the fp32 param: safe_get_full_fp32_param)")
 
 
 def _all_reduce(slot: _Slot, buf: Tensor) -> None:
@@ -188,15 +187,14 @@ def get_local(p: Tensor, key: str | None = None) -> Tensor:
 
 def set_local(p: Tensor, value: Tensor, key: str | None = None) -> None:
     """Writes this rank's elements of `p`'s fp32 value or optimizer state
-    `key`. For the fp32 value of a persistent param (kept gathered), every
-    rank of the data-parallel group must call it: its gathered copy is
-    refreshed from every rank's elements (one all-gather)."""
+    `key`. Every rank of the data-parallel group calls it, each with its
+    own elements (none: an empty tensor), as :func:`set_full`; a persistent
+    param's gathered copy is refreshed from every rank's (one all-gather)."""
     slot = _stage3(p, "safe_set_local_" + ("fp32_param" if key is None else "optimizer_state"))
     key = _key(key)
     lo, hi = _local_range(slot)
     src = _value(slot, value, hi - lo, "this rank's")
-    if hi > lo:
-        _write(slot, PieceState(slot.name, lo, hi, {key: src}), key)
+    _write(slot, PieceState(slot.name, lo, hi, {key: src}), key)
     if key == MASTER:
         slot.group.regather(slot.index)
 
@@ -249,10 +247,12 @@ def _stage3(p: Tensor, what: str) -> _Slot:
 def _value(slot: _Slot, value: Tensor, numel: int, whose: str) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"{slot.name}: the value must be a tensor, not {type(value).__name__}")
-    if value.numel() != numel:
+    whole = numel == slot.numel  # a full value: the param's shape, or flat
+    if value.numel() != numel or (whole and value.shape != slot.shape and value.dim() != 1):
         raise ValueError(
             f"{slot.name}: the value has {value.numel()} elements (shape {tuple(value.shape)}) and {whose} "
-            f"elements are {numel} (the param's shape is {tuple(slot.shape)}); pass a tensor of that size"
+            f"elements are {numel} (the param's shape is {tuple(slot.shape)}); pass a tensor of "
+            f"{'the param' if whole else 'that'}'s shape{' (or flat)' if whole else ''}"
         )
     if value.is_complex():
         raise TypeError(f"{slot.name}: the value is complex ({value.dtype}); pass a real tensor")
@@ -260,11 +260,19 @@ def _value(slot: _Slot, value: Tensor, numel: int, whose: str) -> Tensor:
 
 
 def _write(slot: _Slot, piece: PieceState, key: str) -> None:
+    """`piece` into the rank's pieces of the param, on every rank (an empty one where the rank owns none of it:
+    stage 3 then drops what is gathered of the old values on every rank alike)."""
     engine = slot.engine
     if key != MASTER:  # a key the optimizer does not keep would be created by pieces_in: refused first
+        keys = None
         for held in slot.group.pieces_out(engine.optimizer, slot.opt_params(), names={slot.name}):
             if key not in held.tensors:
-                raise _unknown(slot, key, held.tensors)
+                keys = held.tensors
+        # only the ranks owning elements of the param can tell: agreed, so that every rank raises
+        missing = torch.tensor([0.0 if keys is None else 1.0], device=engine.device)
+        _all_reduce(slot, missing)
+        if missing.item() != 0:
+            raise _unknown(slot, key, keys)
     with torch.no_grad():
         slot.group.pieces_in(engine.optimizer, slot.opt_params(), {slot.name: [piece]}, keys=(key,))
         sync = getattr(engine.optimizer, "sync_device_params", None)

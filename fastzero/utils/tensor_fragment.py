@@ -9,14 +9,19 @@ every optimizer state format:
   Every rank of the data-parallel group calls them (one all-reduce each at
   stages 1-3), as in DeepSpeed. None for a param no engine trains.
 * ``safe_set_full_*``: every rank of the data-parallel group calls them
-  with the same full value; each writes the elements it owns (for the fp32
-  param, the weights the model reads follow).
+  with the same full value (the param's shape, or flat); each writes the
+  elements it owns (for the fp32 param, the weights the model reads
+  follow).
 * ``safe_get_local_*`` / ``safe_set_local_*``: stage 3 only (as in
-  DeepSpeed): this rank's own elements, 1-D.
+  DeepSpeed): this rank's own elements, 1-D; every rank calls the setters,
+  each with its own elements (an empty tensor where it owns none).
 * Gradients (``*_grad``): between ``engine.backward(loss)`` on the step's
   last micro-batch and ``engine.step()``, the average over ranks and
   micro-batches that the step will use (loss scale divided out, before
-  clipping); a gradient set is the one the step and its norm use.
+  clipping); a gradient set is the one the step and its norm use. Under
+  fp16 the gradient buffer holds the sum times the loss scale: a value set
+  beyond fp16's range that way becomes inf, and the step is skipped as for
+  any overflow.
 
 Where fastzero differs from DeepSpeed: the fp32 param is also there at
 stage 0 and in fp32 training (DeepSpeed returns None where it keeps no

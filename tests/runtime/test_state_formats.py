@@ -231,6 +231,29 @@ def test_a_resume_at_the_same_layout_and_format_continues_to_the_bit(tmp_path, f
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("only", ["load_optimizer_states", "load_module_only"])
+def test_a_weights_only_load_leaves_packed_states_as_they_are(tmp_path, fmt, stage, only):
+    """load_optimizer_states=False / load_module_only=True into packed states: the weights are the saved ones,
+    the states the loading engine's own (the weights alone never read the packed per-block state; int8's
+    failed here on its scales before)."""
+    saved = engine_for(fmt, stage)
+    run_engine(saved, batches(2))
+    saved.save_checkpoint(tmp_path)
+    other = engine_for(fmt, stage)
+    run_engine(other, batches(1, seed=9))
+    states = {
+        k: v.clone()
+        for k, v in other.optimizer.state[other.optimizer.param_groups[0]["params"][0]].items()
+        if isinstance(v, torch.Tensor)
+    }
+    other.load_checkpoint(tmp_path, **({only: False} if only == "load_optimizer_states" else {only: True}))
+    assert_params(params_of(other), params_of(saved), rtol=0, atol=0)
+    after = other.optimizer.state[other.optimizer.param_groups[0]["params"][0]]
+    assert all(torch.equal(after[k], v) for k, v in states.items() if k not in ("master_param", "step"))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_groups_state_api_moves_packed_states_between_engines(stage, fmt):
     """Pieces out of a trained engine hold fp32 values (decoded); in to a

@@ -40,6 +40,7 @@ def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("param_access")
     runs = {name: dict(run, kind="session") for name, run in SESSIONS.items()}
     runs["int8"] = dict(kind="int8", stage=2, opt={"state_format": "int8"})
+    runs["tiny"] = dict(kind="tiny", stage=3)
     runs["refusals"] = dict(kind="refusals", stage=1)
     for name, run in runs.items():
         run["out"] = str(tmp / name)
@@ -138,6 +139,23 @@ def test_int8_states_are_read_decoded_and_written_encoded(ranks):
     err = (after - value).abs()
     assert torch.all(err <= value.abs() / 8 + 1e-3 * 2**-14), err.max()
     assert not torch.equal(after, a["before"])
+    for got in (a, b):  # the fp32 param written under packed states: exact, and what the model reads
+        torch.testing.assert_close(got["weights_after"], got["weights"], **EXACT)
+        torch.testing.assert_close(got["model_weights"], got["weights"], **EXACT)
+
+
+def test_stage3_local_setters_where_a_rank_owns_none_of_a_param(ranks):
+    """A 1-element bias at stage 3 on 2 ranks: one rank owns it. Set on every rank inside engine.gathered()
+    (no rank left waiting in the regather of the held params), and read back whole."""
+    first, second = ranks["tiny"]
+    assert 0 in (first["owned"]["bias"], second["owned"]["bias"])  # the case this test is for
+    for got in (first, second):
+        for n in ("weight", "bias"):
+            split = [first["owned"][n], second["owned"][n]]
+            owners = torch.cat([torch.full((k,), float(r + 1)) for r, k in enumerate(split)])
+            torch.testing.assert_close(got["fp32"][n].reshape(-1), owners, **EXACT)
+            torch.testing.assert_close(got["exp_avg"][n].reshape(-1), -owners, **EXACT)
+            torch.testing.assert_close(got["model"][n].reshape(-1), owners, **EXACT)
 
 
 def test_bad_calls_raise_on_every_rank_and_name_the_fix(ranks):
@@ -147,6 +165,9 @@ def test_bad_calls_raise_on_every_rank_and_name_the_fix(ranks):
         assert "'momentum_buffer'" in said["unknown key"]
         assert "'nope'" in said["set unknown key"] and "'exp_avg'" in said["set unknown key"]
         assert "3 elements" in said["wrong shape"] and "(65, 33)" in said["wrong shape"]
+        assert "(33, 65)" in said["transposed"] and "(or flat)" in said["transposed"]
+        assert said["flat set"] == 0.25
+        assert all("'x'" in said[k] for k in said if k.startswith("set unknown key "))
         assert "param.data.copy_" in said["frozen"]
         assert "safe_get_full_fp32_param" in said["local at stage 1"]
         assert said["frozen get"] is None

@@ -153,7 +153,8 @@ def run_session(run: dict, rank: int, world: int) -> dict:
 
 
 def run_int8(run: dict, rank: int, world: int) -> dict:
-    """int8 states: the decoded state read, a state written (encoded again) and read back."""
+    """int8 states: the decoded state read, a state written (encoded again) and read back; the fp32 param
+    written (the states stay packed) and read back."""
     model = make_model()
     engine, *_ = fastzero.initialize(model=model, config=engine_config(run, gas=2))
     for step in range(BEFORE):
@@ -163,7 +164,43 @@ def run_int8(run: dict, rank: int, world: int) -> dict:
     before = u.safe_get_full_optimizer_state(p, "exp_avg").cpu()
     value = torch.rand(p.shape, generator=torch.Generator().manual_seed(5)) * 2e-3 - 1e-3  # the same on every rank
     u.safe_set_full_optimizer_state(p, value, "exp_avg")
-    return {"before": before, "value": value, "after": u.safe_get_full_optimizer_state(p, "exp_avg").cpu()}
+    weights = value * 100
+    u.safe_set_full_fp32_param(p, weights)
+    return {
+        "before": before,
+        "value": value,
+        "after": u.safe_get_full_optimizer_state(p, "exp_avg").cpu(),
+        "weights": weights,
+        "weights_after": u.safe_get_full_fp32_param(p).cpu(),
+        "model_weights": whole(engine, model)["0.weight"],
+    }
+
+
+def run_tiny(run: dict, rank: int, world: int) -> dict:
+    """Stage 3, params some rank owns none of (a 1-element bias): the setters on every rank, inside
+    engine.gathered() too (where the held params are gathered again: every rank must take part)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = fastzero.initialize(model=model, config=cfg)
+    engine.backward(engine(torch.ones(2, 3)).sum())
+    engine.step()
+    u, params = deepspeed.utils, dict(model.named_parameters())
+    owned = {n: u.safe_get_local_fp32_param(p).numel() for n, p in params.items()}
+    with engine.gathered():
+        for n, p in params.items():
+            u.safe_set_local_fp32_param(p, torch.full((owned[n],), float(rank + 1)))
+            u.safe_set_local_optimizer_state(p, torch.full((owned[n],), -float(rank + 1)), "exp_avg")
+    return {
+        "owned": owned,
+        "fp32": {n: u.safe_get_full_fp32_param(p).cpu() for n, p in params.items()},
+        "exp_avg": {n: u.safe_get_full_optimizer_state(p, "exp_avg").cpu() for n, p in params.items()},
+        "model": whole(engine, model),
+    }
 
 
 def run_refusals(run: dict, rank: int, world: int) -> dict:
@@ -186,7 +223,13 @@ def run_refusals(run: dict, rank: int, world: int) -> dict:
     expect("grad before backward", RuntimeError, lambda: u.safe_get_full_grad(w))
     expect("unknown key", ValueError, lambda: u.safe_get_full_optimizer_state(w, "momentum_buffer"))
     expect("set unknown key", ValueError, lambda: u.safe_set_full_optimizer_state(w, torch.zeros(w.shape), "nope"))
+    for n, p in params.items():  # every rank raises, also where it owns none of the param
+        if p.requires_grad:
+            expect(f"set unknown key {n}", ValueError, lambda p=p: u.safe_set_full_optimizer_state(p, p * 0, "x"))
     expect("wrong shape", ValueError, lambda: u.safe_set_full_fp32_param(w, torch.zeros(3)))
+    expect("transposed", ValueError, lambda: u.safe_set_full_fp32_param(w, torch.zeros(w.shape[::-1])))
+    u.safe_set_full_fp32_param(w, w.detach().reshape(-1) * 0 + 0.25)  # flat is taken
+    said["flat set"] = float(u.safe_get_full_fp32_param(w).sum()) / w.numel()
     expect("frozen", ValueError, lambda: u.safe_set_full_fp32_param(params["3.bias"], torch.zeros(17)))
     expect("local at stage 1", ValueError, lambda: u.safe_get_local_fp32_param(w))
     said["frozen get"] = u.safe_get_full_fp32_param(params["3.bias"])  # None, as DeepSpeed's
@@ -198,7 +241,7 @@ def run_refusals(run: dict, rank: int, world: int) -> dict:
     return said
 
 
-RUNS = {"session": run_session, "int8": run_int8, "refusals": run_refusals}
+RUNS = {"session": run_session, "int8": run_int8, "tiny": run_tiny, "refusals": run_refusals}
 
 if __name__ == "__main__":
     fastzero.init_distributed()
