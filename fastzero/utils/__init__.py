@@ -6,43 +6,13 @@ param-state helpers of :mod:`fastzero.utils.tensor_fragment`
 ``deepspeed.utils.zero_to_fp32.get_fp32_...``, so that importing the package
 stays light)."""
 
+from fastzero.utils import tensor_fragment
 from fastzero.utils.logging import log_dist, logger
 from fastzero.utils.repeating_loader import RepeatingLoader
-from fastzero.utils.tensor_fragment import (
-    safe_get_full_fp32_param,
-    safe_get_full_grad,
-    safe_get_full_optimizer_state,
-    safe_get_local_fp32_param,
-    safe_get_local_grad,
-    safe_get_local_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_grad,
-    safe_set_full_optimizer_state,
-    safe_set_local_fp32_param,
-    safe_set_local_grad,
-    safe_set_local_optimizer_state,
-    safe_update_full_grad_vectorized,
-)
+from fastzero.utils.tensor_fragment import *  # noqa: F403  (DeepSpeed's safe_get_full_fp32_param & co.)
 
-__all__ = [
-    "RepeatingLoader",
-    "log_dist",
-    "logger",
-    "safe_get_full_fp32_param",
-    "safe_get_full_grad",
-    "safe_get_full_optimizer_state",
-    "safe_get_local_fp32_param",
-    "safe_get_local_grad",
-    "safe_get_local_optimizer_state",
-    "safe_set_full_fp32_param",
-    "safe_set_full_grad",
-    "safe_set_full_optimizer_state",
-    "safe_set_local_fp32_param",
-    "safe_set_local_grad",
-    "safe_set_local_optimizer_state",
-    "safe_update_full_grad_vectorized",
-    "zero_to_fp32",
-]
+# zero_to_fp32: a submodule, imported on first use (__getattr__)
+__all__ = ["RepeatingLoader", "log_dist", "logger", "zero_to_fp32", *tensor_fragment.__all__]  # noqa: F405
 
 
 def __getattr__(name: str):
