@@ -438,7 +438,10 @@ KEYS: dict[str, Key] = {
         f"{REMOVED}; fastzero's sparse attention kernels are called from the model (docs/sparse_attention.md)"
     ),
     "aio": refused(NVME),
-    "compile": refused("DeepSpeed's compile/DeepCompile passes are not implemented; torch.compile the model"),
+    "compile": refused(
+        "DeepSpeed's compile/DeepCompile passes are not implemented; call engine.compile(backend, compile_kwargs) "
+        "(torch.compile of the model's forward, stages 0-2)"
+    ),
     "hybrid_engine": refused("DeepSpeed's RLHF hybrid engine (inference kernels) is not implemented"),
     "weight_quantization": refused("weight quantization is not implemented"),
     "data_efficiency": refused("DeepSpeed's data efficiency library (curriculum, random-LTD) is not implemented"),

@@ -276,6 +276,8 @@ class Engine(torch.nn.Module):
         self._warned_codes = False  # state_dict() at stages 1-2 with qwZ said what it holds
         self._grads_fresh = True  # no backward since the gradients were last zeroed
         self._grads_reduced = False  # a boundary backward reduced the gradients and no step has used them yet
+        self._no_sync = False  # inside no_sync(): backwards reduce nothing
+        self._compiled = False  # compile() ran
         self._step_applied = False  # the last optimizer step updated the params
         self.grad_norm: float | None = None
         self.last_loss: Tensor | None = None
@@ -762,7 +764,8 @@ class Engine(torch.nn.Module):
         self.last_loss = loss.detach()
         boundary = self.is_gradient_accumulation_boundary()
         first, self._grads_fresh = self._grads_fresh, False  # a second backward before step() accumulates
-        reduce = boundary and not self._compressing()  # past 1-bit Adam's freeze_step, grads stay local
+        # past 1-bit Adam's freeze_step grads stay local; inside no_sync() they wait for a backward outside
+        reduce = boundary and not self._compressing() and not self._no_sync
         if self.zeropp.grads is not None:  # qgZ's stochastic rounding is keyed by the micro step (resumes exactly)
             self.zeropp.grads.round = self.micro_steps
         for group in self.groups:
@@ -790,6 +793,11 @@ class Engine(torch.nn.Module):
         rank: under fp16 the loss scaler lowers the scale; in fp32/bf16 it
         warns (``non_finite_grads: skip``) or raises :class:`NonFiniteGradients`
         (``raise``)."""
+        if self._no_sync:
+            raise RuntimeError(
+                "engine.step() inside no_sync(): the gradients there are not reduced; step after the block "
+                "(as DeepSpeed requires)"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -1194,9 +1202,54 @@ class Engine(torch.nn.Module):
         """DeepSpeed's: frees what the engine holds between uses (stage 3's gathered params)."""
         self.empty_partition_cache()
 
+    @contextlib.contextmanager
     def no_sync(self):
-        """Kept for DDP-style scripts: accumulation is already automatic."""
-        yield
+        """DeepSpeed's: the backwards inside reduce nothing; their gradients
+        accumulate on this rank and the next backward outside reduces the
+        sum. ``step()`` inside is refused, and so are stages 2-3, which
+        partition the gradients as backward produces them (DeepSpeed's
+        rules)."""
+        if self.stage >= 2:
+            raise RuntimeError(
+                f"no_sync() at ZeRO stage {self.stage}: the gradients are partitioned as backward produces them, "
+                "so every backward reduces (as in DeepSpeed); use gradient_accumulation_steps, or stage 0-1"
+            )
+        if self._no_sync:
+            raise RuntimeError("no_sync() inside no_sync(): it does not nest (as in DeepSpeed)")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def compile(
+        self, backend=None, compile_kwargs: dict | None = None, schedule=None, compiled_autograd_enabled: bool = False
+    ) -> None:
+        """DeepSpeed's: ``torch.compile`` of the wrapped module's forward
+        (``backend``, and ``compile_kwargs`` for the rest of
+        ``torch.compile``'s arguments); the engine around it stays eager.
+        Stages 0-2 (a stage-3 param is gathered and released around each
+        use, which a compiled graph's saved tensors do not survive);
+        DeepCompile's ``schedule`` and compiled autograd are not
+        implemented. Once per engine, as DeepSpeed's."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError("compile(schedule=..., compiled_autograd_enabled=True): DeepCompile's options")
+        if self.stage == 3:
+            raise NotImplementedError(
+                "compile() at ZeRO stage 3: the params are gathered and released around each module, which a "
+                "compiled graph does not survive; run stage 3 uncompiled, or compile at stages 0-2"
+            )
+        if self._compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if backend is not None:
+            kwargs["backend"] = backend
+        self.module.compile(**kwargs)
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
 
     def save_checkpoint(
         self,

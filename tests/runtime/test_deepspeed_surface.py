@@ -219,6 +219,76 @@ def test_zero3_consolidated_16bit_state_dict_is_the_whole_model_on_rank_0():
         flat._zero3_consolidated_16bit_state_dict()
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_keeps_gradients_local_until_a_backward_outside(stage):
+    """DeepSpeed's no_sync(): the backward inside reduces nothing; the one after reduces the sum, and the step
+    equals two backwards before one step."""
+    data = batches(3)
+    want, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": stage}))
+    got, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": stage}))
+    loss = lambda engine, i: torch.nn.functional.mse_loss(engine(data[i][0]), data[i][1])
+    reductions = lambda engine: [e for e in engine.comm.record if e.op in ("all_reduce", "reduce_scatter")]
+    for engine in (want, got):
+        train(engine, data[2:])
+    before = len(reductions(got))
+    with got.no_sync():
+        got.backward(loss(got, 0))
+        assert len(reductions(got)) == before  # nothing reduced inside
+        with pytest.raises(RuntimeError, match="inside no_sync"):
+            got.step()
+        with pytest.raises(RuntimeError, match="does not nest"), got.no_sync():
+            pass
+    got.backward(loss(got, 1))
+    assert len(reductions(got)) > before
+    got.step()
+    want.backward(loss(want, 0))
+    want.backward(loss(want, 1))
+    want.step()
+    with got.gathered() as a, want.gathered() as b:
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    stage2, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 2}))
+    with pytest.raises(RuntimeError, match="stage 2"), stage2.no_sync():
+        pass
+
+
+class UserModel(torch.nn.Module):
+    """The test model under a forward of a script's own: Module.compile traces user code (a model made of
+    torch's modules alone, such as an nn.Sequential, runs uncompiled under it, in DeepSpeed too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_compile_compiles_the_wrapped_module_and_trains_the_same():
+    """DeepSpeed's engine.compile(backend, compile_kwargs): the module's forward through torch.compile (a
+    backend that keeps the traced graph and runs it as traced), the same weights as uncompiled; refused at
+    stage 3."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    plain, *_ = fastzero.initialize(model=UserModel(), config=cfg(zero_optimization={"stage": 1}))
+    compiled, *_ = fastzero.initialize(model=UserModel(), config=cfg(zero_optimization={"stage": 1}))
+    assert not compiled.is_compiled
+    compiled.compile(backend=backend, compile_kwargs={"dynamic": False})
+    compiled.compile(backend="eager")  # once per engine: a second call changes nothing
+    assert compiled.is_compiled
+    data = batches(3)
+    train(plain, data)
+    train(compiled, data)
+    assert graphs  # the forward ran through the compiled graph
+    assert all(torch.equal(p, q) for p, q in zip(plain.module.parameters(), compiled.module.parameters()))
+    stage3, *_ = fastzero.initialize(model=make_model(), config=cfg(zero_optimization={"stage": 3}))
+    with pytest.raises(NotImplementedError, match="stage 3"):
+        stage3.compile()
+
+
 def test_set_gradient_accumulation_boundary_decides_when_step_steps():
     """Accelerate's way: the boundary set before each micro-batch, step()
     called after each; only the micro-batch marked True steps."""
