@@ -106,7 +106,10 @@ def main(argv=None) -> int:
     all_cases = [c for f in families for c in f.cases(args.sizes, args.dtype, args.quick, device=args.device)]
     for case in all_cases:
         case.providers = [p for p in case.providers if p.name not in args.skip]
-    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
+    baseline = None
+    if args.baseline:
+        args.baseline, baseline = baseline_for(args.baseline, results["machine"])
+        print(f"baseline: {args.baseline} (measured on {_machine_name(baseline['machine'])})", flush=True)
     with progress if progress is not None else _NullContext():
         task = progress.add_task("starting", total=len(all_cases)) if progress else None
 
@@ -144,6 +147,36 @@ def main(argv=None) -> int:
         print(f"baseline {args.baseline}: {len(checks) - len(bad)} of {len(checks)} gated figures ok")
         return 1 if bad else 0
     return 0
+
+
+def _machine_name(machine: dict) -> str:
+    return f"{machine.get('cpu')}, ISA path {machine.get('isa')}, {machine.get('cores')} cores"
+
+
+def baseline_for(path: Path, machine: dict) -> tuple[Path, dict]:
+    """The baseline to compare with: `path`, or the baseline beside it
+    measured on a machine like this one (the same CPU model, ISA path and
+    core count). The fractions of the roofline move with the CPU, not only
+    with the code: FusedLamb's was 0.86 on the AMD EPYC of cpu-quick.json
+    and 0.64 on an Intel Xeon with the same commit (2026-12-07). With no
+    such baseline, `path` (its figures may then differ by machine: said)."""
+    key = lambda m: (m.get("cpu"), m.get("isa"), m.get("cores"))
+    given = json.loads(path.read_text())
+    if key(given["machine"]) == key(machine):
+        return path, given
+    for other in sorted(path.parent.glob("*.json")):
+        if other == path:
+            continue
+        stored = json.loads(other.read_text())
+        if key(stored.get("machine", {})) == key(machine) and stored.get("settings") == given.get("settings"):
+            return other, stored
+    print(
+        f"warning: no baseline in {path.parent} was measured on a machine like this one ({_machine_name(machine)}); "
+        f"comparing with {path}, whose figures may differ by machine. Measure one: python -m bench.calibrate "
+        f"--runs 8 --write-baseline {path.parent}/<name>.json",
+        flush=True,
+    )
+    return path, given
 
 
 def _confirm(family, case, rows, baseline, settings, tolerance, say, attempts: int = 3):

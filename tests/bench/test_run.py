@@ -110,3 +110,24 @@ def test_every_family_is_its_declared_interface(device):
             assert "ours" in kinds.values(), (family.name, case.name)
             assert {n for n, k in kinds.items() if k == "peer"} <= set(owner.peers), (owner.name, case.name)
             assert (kinds.get("roofline") == "roofline") == (owner.roofline is not None), (owner.name, case.name)
+
+
+def test_the_gate_takes_the_baseline_of_a_machine_like_this_one(tmp_path, capsys):
+    """The fractions of the roofline move with the CPU: a baseline beside the given one, measured on this
+    machine's CPU model, ISA path and core count (and the same settings), is the one compared with; with
+    none, the given one, and a warning."""
+    settings = {"quick": True, "repeats": 21, "runs": 8}
+    amd = {"cpu": "AMD EPYC", "isa": "avx512", "cores": 2}
+    intel = {"cpu": "Intel(R) Xeon(R) Processor", "isa": "avx512", "cores": 2}
+    write = lambda name, machine, **more: (tmp_path / name).write_text(
+        json.dumps({"machine": machine, "settings": {**settings, **more}, "rows": []})
+    )
+    write("cpu-quick.json", amd)
+    write("cpu-quick-intel-other-settings.json", intel, repeats=5)  # another configuration: not taken
+    write("cpu-quick-intel.json", intel)
+    given = tmp_path / "cpu-quick.json"
+    path, baseline = run.baseline_for(given, {**intel, "torch": "2.13.0"})
+    assert path == tmp_path / "cpu-quick-intel.json" and baseline["machine"] == intel
+    assert run.baseline_for(given, amd)[0] == given
+    path, _ = run.baseline_for(given, {"cpu": "AMD EPYC", "isa": "avx2", "cores": 2})
+    assert path == given and "no baseline" in capsys.readouterr().out
