@@ -251,8 +251,8 @@ def _value(slot: _Slot, value: Tensor, numel: int, whose: str) -> Tensor:
     if value.numel() != numel or (whole and value.shape != slot.shape and value.dim() != 1):
         raise ValueError(
             f"{slot.name}: the value has {value.numel()} elements (shape {tuple(value.shape)}) and {whose} "
-            f"elements are {numel} (the param's shape is {tuple(slot.shape)}); pass a tensor of "
-            f"{'the param' if whole else 'that'}'s shape{' (or flat)' if whole else ''}"
+            f"elements are {numel} (the param's shape is {tuple(slot.shape)}); pass "
+            + ("a tensor of the param's shape (or flat)" if whole else "a 1-D tensor of that many elements")
         )
     if value.is_complex():
         raise TypeError(f"{slot.name}: the value is complex ({value.dtype}); pass a real tensor")
