@@ -48,7 +48,7 @@ def _opt(
     nullable: bool = False,
     infinite: bool = False,
 ) -> Any:
-    """A field with its check: kind is bool, int, float, str, choice or dict;
+    """A field with its check: kind is bool, int, float, str, str_list, choice or dict;
     `infinite`: a number that may also be infinity (never)."""
     meta = dict(kind=kind, choices=choices, low=low, high=high, low_open=low_open, nullable=nullable)
     meta["infinite"] = infinite
@@ -407,6 +407,18 @@ class FlopsProfilerConfig:
 
 
 @dataclass(frozen=True)
+class CommsLoggerConfig:
+    """DeepSpeed's ``comms_logger`` section (its defaults): which
+    collectives the communication logger times (fastzero.comm.logger)."""
+
+    enabled: bool = _opt(False, "bool")
+    verbose: bool = _opt(False, "bool")  # log every op as it completes (rank 0)
+    prof_all: bool = _opt(True, "bool")  # every op; false: only those in prof_ops (or called with prof=True)
+    prof_ops: tuple[str, ...] = _opt((), "str_list")  # log names, e.g. ["all_reduce", "reduce_scatter_tensor"]
+    debug: bool = _opt(False, "bool")  # record names carry the caller: "all_reduce | [Caller Func: f]"
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     # every rank's save tag is compared: a mismatch is ignored, warned about (on every rank) or an error
     tag_validation: str = _opt("warn", "choice", choices=("ignore", "warn", "fail"))
@@ -488,6 +500,7 @@ class Config:
     csv_monitor: MonitorConfig = _section(MonitorConfig)
     wandb: WandbConfig = _section(WandbConfig)
     flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig)
+    comms_logger: CommsLoggerConfig = _section(CommsLoggerConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     tensor_parallel: TensorParallelConfig = _section(TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = _section(ActivationCheckpointingConfig)
@@ -539,6 +552,10 @@ def _check_value(path: str, value: Any, meta: dict) -> Any:
         if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
         raise ConfigError(f'{path} = {value!r}: must be "auto" or an integer >= 1')
+    if kind == "str_list":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{path} = {value!r}: must be a list of strings")
+        return tuple(value)
     if kind == "dict":
         if not isinstance(value, dict):
             raise ConfigError(f"{path} = {value!r}: must be an object")

@@ -386,7 +386,15 @@ KEYS: dict[str, Key] = {
     "activation_checkpointing.number_checkpoints": done(),
     "activation_checkpointing.synchronize_checkpoint_boundary": done(),
     "activation_checkpointing.profile": done("forward, recompute and gather times: fastzero.checkpointing.timings()"),
-    "comms_logger": refused("DeepSpeed's communication logger is not implemented"),
+    "comms_logger": done(
+        "per collective and message size: count, latency, algbw and busbw; fastzero.comm.log_summary() prints "
+        "DeepSpeed's table (docs/monitoring.md)"
+    ),
+    "comms_logger.enabled": done("read as written (DeepSpeed enables the logger whenever the section is present)"),
+    "comms_logger.verbose": done("each op logged as it completes, on rank 0"),
+    "comms_logger.prof_all": done("every collective (default true); false: prof_ops only"),
+    "comms_logger.prof_ops": done("the log names to time when prof_all is false"),
+    "comms_logger.debug": done("record names carry the caller (the engine's: fastzero:<tag>)"),
     "autotuning": refused("DeepSpeed's autotuner is not implemented"),
     # -- parallelism and training techniques not in fastzero -----------------------------------------------------
     "pipeline": done("the pipeline engine's settings (docs/pipeline.md)"),

@@ -92,6 +92,7 @@ def test_mlp_in_fp16_under_zero2(tmp_path, client):
         "communication_data_type": "fp32",
         "dataloader_drop_last": True,
         "steps_per_print": 1000,
+        "comms_logger": {"enabled": True, "prof_all": False, "prof_ops": ["reduce_scatter_tensor", "all_reduce"]},
     }
     if client:
         config["zero_allow_untested_optimizer"] = True
@@ -110,6 +111,10 @@ def test_mlp_in_fp16_under_zero2(tmp_path, client):
     assert got["lrs"] == pytest.approx([0.0, 0.0025, 0.005, 0.0075] + [0.01] * (steps - 4))  # WarmupLR, linear
     assert got["eval_after"] < 0.8 * got["eval_before"], (got["eval_before"], got["eval_after"])  # it learns
     assert got["same_output"] and got["restored"]
+    # the logger counted the ops in prof_ops: each step's reduce-scatter (one bucket of 500 elements or fewer per
+    # param's worth) and at least the loss scaler's overflow all-reduce, nothing else
+    assert set(got["comm_counts"]) == {"reduce_scatter_tensor", "all_reduce"}
+    assert got["comm_counts"]["reduce_scatter_tensor"] % steps == 0 and got["comm_counts"]["all_reduce"] >= steps
     saved = torch.load(str(out) + ".16bit/model.bin")
     bare = mlp_fp16_zero2.make_model()
     assert set(saved) == set(bare.state_dict()) and all(v.dtype == torch.float16 for v in saved.values())

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastzero.comm.logger import comms_logger
+
 # torch 2.13 renamed the tensor collectives; older torch has only the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -159,6 +161,25 @@ class CommEvent:
         )
 
 
+# the record's ops under deepspeed.comm's names, for the communication logger
+_LOG_NAMES = {
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_gather": "all_gather_into_tensor",
+    "all_to_all": "all_to_all_single",
+}
+
+
+def _log(event: CommEvent) -> None:
+    """A finished collective to the communication logger (fastzero.comm.logger), if it wants it: timed from
+    launch to completion, its message the bytes one rank puts in (a reduce-scatter's chunk)."""
+    name = _LOG_NAMES.get(event.op, event.op)
+    if not comms_logger.wants(name):
+        return
+    size = event.nbytes // event.world_size if event.op == "reduce_scatter" else event.nbytes
+    record = comms_logger.record_name(name, f"fastzero:{event.tag}" if event.tag else "fastzero")
+    comms_logger.append(name, record, (event.done - event.launched) * 1e3, size, event.world_size)
+
+
 class Handle:
     """An in-flight collective; :meth:`wait` blocks until it is done."""
 
@@ -176,6 +197,7 @@ class Handle:
     def _mark(self) -> None:
         if self.event.done is None:
             self.event.done = time.perf_counter()
+            _log(self.event)
 
     def wait(self, site: str = "") -> None:
         """Blocks until done; the time blocked is added to the event's

@@ -15,12 +15,20 @@ Without a process group in a job of several ranks, every collective raises
 RuntimeError (call :func:`fastzero.comm.init_distributed` first) rather than
 return one rank's values as if they were the job's.
 
-DeepSpeed's profiling keywords (``prof``, ``log_name``, ``debug``) are not
-taken: fastzero records its own collectives in :class:`~fastzero.comm.Comm`.
+Every collective, send and receive takes DeepSpeed's profiling keywords
+(``prof``, ``log_name``, ``debug``): while the communication logger is on
+(the ``comms_logger`` config section, or :func:`fastzero.comm.configure`),
+a call it wants is timed until it completes (an asynchronous one too:
+through its future, or when its handle is waited on) and logged under
+`log_name` (:mod:`fastzero.comm.logger`). ``debug``'s value is not read: the
+logger's own ``debug`` setting names the caller.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import time
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastzero.comm.env import dist_env
+from fastzero.comm.logger import caller_name, comms_logger
 
 ReduceOp = dist.ReduceOp
 
@@ -178,15 +187,84 @@ def destroy_process_group(group=None) -> None:
         dist.destroy_process_group(group)
 
 
+# --- the communication logger's timing ---------------------------------------------------------
+
+# the argument whose bytes are an op's message: what one rank puts in (fastzero.comm.logger); none: 0 bytes
+_MESSAGE = {"all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "output_tensor"}
+_NO_MESSAGE = ("barrier", "all_gather_object", "broadcast_object_list")
+
+
+class _TimedWork:
+    """A work without a future (Gloo's sends and receives): logged when waited on."""
+
+    def __init__(self, work, done) -> None:
+        self._work, self._done = work, done
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        if self._done is not None:
+            done, self._done = self._done, None
+            done()
+        return result
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+def _timed(fn):
+    """Takes DeepSpeed's ``prof``, ``log_name`` and ``debug`` keywords and, when the communication logger wants
+    the call, times it to completion and logs it."""
+    name = fn.__name__
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, prof: bool = False, log_name: str | None = None, debug=None, **kwargs):
+        log_name = name if log_name is None else log_name
+        if not comms_logger.wants(log_name, prof) or not is_initialized():  # alone: nothing moves, nothing logged
+            return fn(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        message = None if name in _NO_MESSAGE else bound.arguments[_MESSAGE.get(name, "tensor")]
+        size = message.numel() * message.element_size() if isinstance(message, Tensor) else 0
+        world = dist.get_world_size(bound.arguments.get("group"))
+        record = comms_logger.record_name(log_name, caller_name(2))
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+
+        def done(_future=None) -> None:
+            comms_logger.append(name, record, (time.perf_counter() - start) * 1e3, size, world)
+
+        if out is None or not hasattr(out, "wait"):  # ran to completion (sync; recv returns the sender's rank)
+            done()
+            return out
+        try:
+            out.get_future().add_done_callback(done)
+        except (RuntimeError, AttributeError):  # no future: logged when waited on
+            return _TimedWork(out, done)
+        return out
+
+    call.__signature__ = signature.replace(
+        parameters=[
+            *signature.parameters.values(),
+            inspect.Parameter("prof", inspect.Parameter.KEYWORD_ONLY, default=False),
+            inspect.Parameter("log_name", inspect.Parameter.KEYWORD_ONLY, default=name),
+            inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=None),
+        ]
+    )
+    return call
+
+
 # --- collectives ----------------------------------------------------------------------------
 
 
+@_timed
 def barrier(group=None, async_op: bool = False, device_ids=None):
     if _alone("barrier", group):
         return _result(async_op)
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
+@_timed
 def all_reduce(tensor: Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """`tensor` becomes the reduction (`op`) of every rank's `tensor`, in place."""
     if _alone("all_reduce", group):
@@ -194,6 +272,7 @@ def all_reduce(tensor: Tensor, op=ReduceOp.SUM, group=None, async_op: bool = Fal
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+@_timed
 def reduce(tensor: Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Rank `dst`'s `tensor` becomes the reduction of every rank's."""
     if _alone("reduce", group):
@@ -202,6 +281,7 @@ def reduce(tensor: Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
 
+@_timed
 def broadcast(tensor: Tensor, src: int, group=None, async_op: bool = False):
     """Every rank's `tensor` becomes rank `src`'s."""
     if _alone("broadcast", group):
@@ -210,6 +290,7 @@ def broadcast(tensor: Tensor, src: int, group=None, async_op: bool = False):
     return dist.broadcast(tensor, src, group=group, async_op=async_op)
 
 
+@_timed
 def all_gather(tensor_list: list[Tensor], tensor: Tensor, group=None, async_op: bool = False):
     """``tensor_list[r]`` becomes rank r's `tensor`."""
     if _alone("all_gather", group):
@@ -219,6 +300,7 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group=None, async_op: 
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
+@_timed
 def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group=None, async_op: bool = False):
     """`output_tensor` (world size times the input) becomes every rank's input, in rank order."""
     if _alone("all_gather_into_tensor", group):
@@ -227,6 +309,7 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group=No
     return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
+@_timed
 def reduce_scatter_tensor(
     output_tensor: Tensor, input_tensor: Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
 ):
@@ -237,6 +320,7 @@ def reduce_scatter_tensor(
     return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
+@_timed
 def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int = 0, group=None, async_op=False):
     """Rank `dst`'s ``gather_list[r]`` becomes rank r's `tensor`."""
     if _alone("gather", group):
@@ -247,6 +331,7 @@ def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int = 0
     return dist.gather(tensor, gather_list, dst, group=group, async_op=async_op)
 
 
+@_timed
 def scatter(tensor: Tensor, scatter_list: list[Tensor] | None = None, src: int = 0, group=None, async_op=False):
     """Rank r's `tensor` becomes rank `src`'s ``scatter_list[r]``."""
     if _alone("scatter", group):
@@ -257,6 +342,7 @@ def scatter(tensor: Tensor, scatter_list: list[Tensor] | None = None, src: int =
     return dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
 
 
+@_timed
 def all_to_all_single(
     output: Tensor,
     tensor: Tensor,
@@ -272,6 +358,7 @@ def all_to_all_single(
     return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
+@_timed
 def all_gather_object(object_list: list, obj, group=None):
     """``object_list[r]`` becomes rank r's picklable `obj`."""
     if _alone("all_gather_object", group):
@@ -281,6 +368,7 @@ def all_gather_object(object_list: list, obj, group=None):
     return dist.all_gather_object(object_list, obj, group=group)
 
 
+@_timed
 def broadcast_object_list(object_list: list, src: int = 0, group=None, device: torch.device | None = None):
     """Every rank's `object_list` becomes rank `src`'s."""
     if _alone("broadcast_object_list", group):
@@ -297,21 +385,25 @@ def _no_peer(what: str, group) -> None:
         raise RuntimeError(f"{what}: a single process without a process group has no peer to talk to")
 
 
+@_timed
 def send(tensor: Tensor, dst: int, group=None, tag: int = 0) -> None:
     _no_peer("send", group)
     return dist.send(tensor, dst, group=group, tag=tag)
 
 
+@_timed
 def recv(tensor: Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
     _no_peer("recv", group)
     return dist.recv(tensor, src, group=group, tag=tag)
 
 
+@_timed
 def isend(tensor: Tensor, dst: int, group=None, tag: int = 0):
     _no_peer("isend", group)
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
+@_timed
 def irecv(tensor: Tensor, src: int | None = None, group=None, tag: int = 0):
     _no_peer("irecv", group)
     return dist.irecv(tensor, src, group=group, tag=tag)

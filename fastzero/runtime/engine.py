@@ -39,6 +39,7 @@ from fastzero.comm import (
     new_groups,
     node_ranks,
 )
+from fastzero.comm import logger as comms_logging
 from fastzero.config import Config, ConfigError, load_config
 from fastzero.ops.norms import sum_of_squares
 from fastzero.parallel import ProcessTopology, Topology, current, data_group, is_tensor_parallel, set_current
@@ -1274,6 +1275,10 @@ def initialize(
             )
     # every rank raises if any rank's config, or the model of any rank of its pipeline stage, differs
     check_start(world, cfg, error, model, part=model.stage_id if pipelined else 0)
+    # the comms_logger section configures the communication logger before the engine's first collective
+    # (DeepSpeed's dist.configure(config)); without one, a fastzero.comm.configure() the script made stays
+    if cfg.comms_logger != type(cfg.comms_logger)():
+        comms_logging.configure(cfg)
     kwargs = dict(model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, comm=comm)
     if pipelined:
         from fastzero.runtime.pipe_engine import PipelineEngine  # it builds on this module

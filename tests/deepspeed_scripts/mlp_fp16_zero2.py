@@ -2,7 +2,8 @@
 one line that differs is the import. fp16 with dynamic loss scaling under
 ZeRO-2, a ``training_data`` loader wrapped in ``RepeatingLoader``, the
 scheduler from the config file, the loss scale read off the optimizer, the
-engine's state dict moved into a bare model and back, a 16-bit model saved.
+engine's state dict moved into a bare model and back, a 16-bit model saved,
+the communication logger's summary (the config's ``comms_logger``).
 
     fastzero --num_gpus 2 --no_local_rank mlp_fp16_zero2.py --deepspeed_config ds.json --out result.pt
 """
@@ -72,6 +73,8 @@ def main():
             record["losses"].append(loss.item())
 
     record["eval_after"] = evaluate()
+    comms = deepspeed.comm.log_summary(return_dict=True)  # the config's comms_logger section turned it on
+    record["comm_counts"] = {name: sum(s["count"] for s in sizes.values()) for name, sizes in comms["summary"].items()}
     state = engine.state_dict()
     bare = make_model().half()
     bare.load_state_dict(state)  # the engine's state dict is the model's
