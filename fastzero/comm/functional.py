@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastzero.comm.env import dist_env
-from fastzero.comm.logger import caller_name, comms_logger
+from fastzero.comm.logger import caller_name, comms_logger, timer
 
 ReduceOp = dist.ReduceOp
 
@@ -219,21 +218,17 @@ def _timed(fn):
 
     @functools.wraps(fn)
     def call(*args, prof: bool = False, log_name: str | None = None, debug=None, **kwargs):
-        log_name = name if log_name is None else log_name
-        if not comms_logger.wants(log_name, prof) or not is_initialized():  # alone: nothing moves, nothing logged
-            return fn(*args, **kwargs)
+        if not comms_logger.wants(name if log_name is None else log_name, prof) or not is_initialized():
+            return fn(*args, **kwargs)  # alone: nothing moves, nothing logged
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         message = None if name in _NO_MESSAGE else bound.arguments[_MESSAGE.get(name, "tensor")]
         size = message.numel() * message.element_size() if isinstance(message, Tensor) else 0
         world = dist.get_world_size(bound.arguments.get("group"))
-        record = comms_logger.record_name(log_name, caller_name(2))
-        start = time.perf_counter()
+        done = timer(name, size, world, caller_name(2), log_name, prof)
         out = fn(*args, **kwargs)
-
-        def done(_future=None) -> None:
-            comms_logger.append(name, record, (time.perf_counter() - start) * 1e3, size, world)
-
+        if done is None:
+            return out
         if out is None or not hasattr(out, "wait"):  # ran to completion (sync; recv returns the sender's rank)
             done()
             return out

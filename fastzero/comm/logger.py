@@ -12,11 +12,15 @@ What is logged, while the logger is enabled:
   ones too, which are what the engine runs;
 - every call of ``fastzero.comm``'s DeepSpeed-named functions
   (``all_reduce(..., prof=False, log_name="all_reduce", debug=None)``), an
-  asynchronous one (``async_op=True``) also until it completes.
+  asynchronous one (``async_op=True``) also until it completes;
+- the tensor-parallel layers' collectives (:func:`timer`).
+
+Not logged: the pipeline's sends and receives (posted ahead, their time is
+the wait for the other stage).
 
 Which of them: all (``prof_all``, the default), or those whose log name is
 in ``prof_ops``, or one call given ``prof=True``. Collectives that move
-nothing (a job of one process) are not logged.
+nothing (one rank) are not logged.
 
 The message size of an op is the bytes one rank puts in: an all-reduce's,
 broadcast's or send's tensor, an all-gather's input, a reduce-scatter's
@@ -42,6 +46,7 @@ import logging
 import math
 import sys
 import threading
+import time
 from datetime import datetime
 from typing import Any
 
@@ -307,6 +312,23 @@ def _straggler_analysis(data: dict[str, dict[int, list]]) -> dict[str, dict[int,
 
 
 comms_logger = CommsLogger()
+
+
+def timer(op: str, nbytes: int, world_size: int, caller: str, log_name: str | None = None, prof: bool = False):
+    """Starts timing one `op` of `nbytes` per rank, logged as `log_name`
+    (default: `op`), when the logger wants it (`prof`: this call asks) and
+    the op moves bytes between ranks: returns the function to call once the
+    op completes (it logs it; it takes and ignores a future), or None."""
+    log_name = op if log_name is None else log_name
+    if not comms_logger.wants(log_name, prof) or world_size <= 1:
+        return None
+    record = comms_logger.record_name(log_name, caller)
+    start = time.perf_counter()
+
+    def done(*_) -> None:
+        comms_logger.append(op, record, (time.perf_counter() - start) * 1e3, nbytes, world_size)
+
+    return done
 
 
 def caller_name(depth: int = 2) -> str:

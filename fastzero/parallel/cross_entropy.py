@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastzero.comm import functional  # logged by the communication logger
 from fastzero.parallel.groups import group_rank, group_size, tensor_group
 
 
@@ -36,7 +37,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         m = z.max(dim=-1).values
         if world > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            functional.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         shifted = z - m.unsqueeze(-1)  # a new tensor: becomes the softmax saved for backward
 
         start = rank * part
@@ -51,7 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             ]
         )
         if world > 1:
-            dist.all_reduce(sums, group=group)
+            functional.all_reduce(sums, group=group)
         target_logit, logit_sum, sum_exp = sums
         log_s = sum_exp.log()
         loss = log_s - (1 - label_smoothing) * target_logit - label_smoothing / vocab * logit_sum

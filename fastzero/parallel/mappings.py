@@ -28,12 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastzero.comm import functional
 from fastzero.comm.collectives import all_gather_by_send_recv, reduce_scatter_by_all_to_all
+from fastzero.comm.logger import timer
 from fastzero.parallel.groups import group_rank, group_size, tensor_group
 
 # torch 2.13 renamed the tensor collectives; older torch has only the old names (as fastzero.comm.collectives)
 _dist_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _dist_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_TAG = "fastzero:tensor"  # the caller the communication logger names in debug mode
 
 # Gloo in older torch (and some dtypes there) has no reduce-scatter of one
 # tensor; the first failure switches to all-reduce + slice for the process.
@@ -61,7 +65,7 @@ def _chunk(x: Tensor, dim: int, world: int, what: str) -> int:
 def _all_reduced(x: Tensor, group) -> Tensor:
     """A new contiguous tensor: the sum of `x` over the group (`x` is left as it is)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    functional.all_reduce(out, group=group)  # logged by the communication logger as fastzero.comm's calls are
     return out
 
 
@@ -84,12 +88,15 @@ def _gather(x: Tensor, dim: int, group, async_op: bool = False):
     # gather along dim 0 of the moved tensor, then move the dim back: one collective whatever the dim
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    logged = timer("all_gather_into_tensor", front.numel() * front.element_size(), world, _TAG)
     if dist.get_backend(group) == "gloo":  # Gloo's own all-gather is the slow path (docs/zero.md)
         work = all_gather_by_send_recv(out, front, group, async_op=async_op)
     else:
         work = _dist_all_gather(out, front, group=group, async_op=async_op)
 
     def finish() -> Tensor:
+        if logged is not None:
+            logged()
         return out.movedim(0, dim).contiguous()
 
     return (work, finish) if async_op else finish()
@@ -105,6 +112,7 @@ def _reduce_scatter(x: Tensor, dim: int, group, what: str, async_op: bool = Fals
         return (None, lambda: x) if async_op else x
     chunk = _chunk(x, dim, world, what)
     front = x.movedim(dim, 0).contiguous()
+    logged = timer("reduce_scatter_tensor", front.numel() * front.element_size() // world, world, _TAG)
     work = None
     if dist.get_backend(group) == "gloo":  # Gloo's own reduce-scatter is the slow path (docs/zero.md)
         out = torch.empty((chunk, *front.shape[1:]), dtype=x.dtype, device=x.device)
@@ -112,6 +120,8 @@ def _reduce_scatter(x: Tensor, dim: int, group, what: str, async_op: bool = Fals
 
         def finish_gloo() -> Tensor:
             summed()
+            if logged is not None:
+                logged()
             return out.movedim(0, dim).contiguous()
 
         return (work, finish_gloo) if async_op else finish_gloo()
@@ -130,6 +140,8 @@ def _reduce_scatter(x: Tensor, dim: int, group, what: str, async_op: bool = Fals
         out = None
 
     def finish() -> Tensor:
+        if logged is not None:
+            logged()
         res = out if out is not None else front.narrow(0, group_rank(group) * chunk, chunk)
         return res.movedim(0, dim).contiguous()
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.hooks import RemovableHandle
 
+from fastzero.comm import functional  # logged by the communication logger
 from fastzero.parallel.groups import group_size, tensor_group
 
 
@@ -72,7 +72,7 @@ def allreduce_sequence_parallel_grads(
         by_kind.setdefault((g.dtype, g.device), []).append(g)
     for same in by_kind.values():
         flat = _flatten_dense_tensors(same)
-        dist.all_reduce(flat, group=group)
+        functional.all_reduce(flat, group=group)
         with torch.no_grad():
             for g, summed in zip(same, _unflatten_dense_tensors(flat, same)):
                 g.copy_(summed)
@@ -92,7 +92,7 @@ def register_sequence_parallel_grad_hooks(
 
     def summed(grad: Tensor) -> Tensor:
         out = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
+        functional.all_reduce(out, group=group)
         return out
 
     return [p.register_hook(summed) for p in _params(params) if is_sequence_parallel(p) and p.requires_grad]

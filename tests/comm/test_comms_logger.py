@@ -208,3 +208,17 @@ def test_the_straggler_breakdown_refuses_ranks_that_logged_other_ops(ranks):
     results, _ = ranks
     for r, out in enumerate(results):
         assert f"ranks [{1 - r}] logged other ops" in out["mismatch"] and "reset_log()" in out["mismatch"]
+
+
+def test_the_tensor_parallel_layers_collectives(ranks):
+    """2-way tensor parallelism over the world, one forward and backward each, every collective once with the
+    bytes one rank puts in (fp32)."""
+    results, _ = ranks
+    for out in results:
+        # the row layer's output all-reduce, the column layer's input-grad all-reduce: 4 x 8 values each
+        assert out["tp"] == {"all_reduce": {"128": 2}}
+        # sequence parallel, 3 x 2 x 8 values per rank: all-gathers in the column forward, the column backward (its
+        # input again) and the row backward; reduce-scatters after the row forward and of the column's input grad
+        assert out["tp_sequence"] == {"all_gather_into_tensor": {"192": 3}, "reduce_scatter_tensor": {"192": 2}}
+        # vocab-parallel cross entropy over 5 rows: the row max, then three sums per row
+        assert out["tp_cross_entropy"] == {"all_reduce": {"20": 1, "60": 1}}

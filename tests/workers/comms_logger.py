@@ -160,5 +160,26 @@ try:
     out["mismatch"] = None
 except RuntimeError as exc:
     out["mismatch"] = str(exc)
+
+# -- the tensor-parallel layers' collectives (the whole world as the tensor group) -----------------------------------
+from fastzero.parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy  # noqa: E402
+
+dist.configure(enabled=True, prof_all=True, prof_ops=[], debug=False)
+torch.manual_seed(0)
+col, row = ColumnParallelLinear(8, 16, gather_output=False), RowParallelLinear(16, 8, input_is_parallel=True)
+dist.reset_log()
+x = torch.randn(4, 8, requires_grad=True)
+row(col(x)).sum().backward()  # forward: the row layer's all-reduce; backward: the column layer's input grad's
+out["tp"] = raw()
+col_sp = ColumnParallelLinear(8, 16, gather_output=False, sequence_parallel=True)
+row_sp = RowParallelLinear(16, 8, input_is_parallel=True, sequence_parallel=True)
+dist.reset_log()
+xs = torch.randn(3, 2, 8, requires_grad=True)  # this rank's 3 of 6 positions (seq_dim 0), batch 2
+row_sp(col_sp(xs)).sum().backward()  # all-gather before the column layer, reduce-scatter after the row layer
+out["tp_sequence"] = raw()
+dist.reset_log()
+logits = torch.randn(5, 6, requires_grad=True)  # this rank's 6 of a 12-word vocabulary
+vocab_parallel_cross_entropy(logits, torch.tensor([0, 3, 7, 11, 5])).backward()
+out["tp_cross_entropy"] = raw()
 dist.configure(enabled=False)
 print("RESULT " + json.dumps(out), flush=True)
