@@ -141,6 +141,7 @@ class CommEvent:
     waited: float = 0.0  # seconds callers spent blocked in Handle.wait on it
     wait_site: str = ""  # who waited first ("forward:<module>", "step", ...; "wait" unnamed; "" nobody yet)
     ranks: tuple[int, ...] = ()  # the group's global ranks, in group-rank order (which links the bytes cross)
+    device: str = "cpu"  # where the tensor lives ("cuda": `done` is when the work was queued, not finished)
 
     @property
     def wire_bytes(self) -> float:
@@ -169,15 +170,15 @@ _LOG_NAMES = {
 }
 
 
-def _log(event: CommEvent) -> None:
+def _log(event: CommEvent, end: float) -> None:
     """A finished collective to the communication logger (fastzero.comm.logger), if it wants it: timed from
-    launch to completion, its message the bytes one rank puts in (a reduce-scatter's chunk)."""
+    launch to `end`, its message the bytes one rank puts in (a reduce-scatter's chunk)."""
     name = _LOG_NAMES.get(event.op, event.op)
     if not comms_logger.wants(name):
         return
     size = event.nbytes // event.world_size if event.op == "reduce_scatter" else event.nbytes
     record = comms_logger.record_name(name, f"fastzero:{event.tag}" if event.tag else "fastzero")
-    comms_logger.append(name, record, (event.done - event.launched) * 1e3, size, event.world_size)
+    comms_logger.append(name, record, (end - event.launched) * 1e3, size, event.world_size)
 
 
 class Handle:
@@ -186,6 +187,7 @@ class Handle:
     def __init__(self, work, event: CommEvent, finish=None) -> None:
         self.work, self.event = work, event
         self._finish = finish  # run once, right after the work completes (a reduce-scatter's local sum)
+        self._logged = False  # a device collective goes to the communication logger at its first wait
         if work is None:
             event.done = event.launched
         else:
@@ -197,7 +199,8 @@ class Handle:
     def _mark(self) -> None:
         if self.event.done is None:
             self.event.done = time.perf_counter()
-            _log(self.event)
+            if self.event.device == "cpu":  # a device collective's future completes when it is queued
+                _log(self.event, self.event.done)
 
     def wait(self, site: str = "") -> None:
         """Blocks until done; the time blocked is added to the event's
@@ -208,6 +211,11 @@ class Handle:
             start = time.perf_counter()
             self.work.wait()
             self._mark()
+            if self.event.device == "cuda" and not self._logged:
+                self._logged = True
+                if comms_logger.wants(_LOG_NAMES.get(self.event.op, self.event.op)):
+                    torch.cuda.synchronize()  # as DeepSpeed's logger: the collective's real end, at a sync's cost
+                    _log(self.event, time.perf_counter())
             if self._finish is not None:
                 finish, self._finish = self._finish, None
                 finish()
@@ -276,7 +284,9 @@ class Comm:
 
     def _event(self, op: str, tag: str, t: Tensor) -> CommEvent:
         nbytes = t.numel() * t.element_size()
-        event = CommEvent(op, tag, nbytes, time.perf_counter(), world_size=self.world_size, ranks=self.ranks)
+        event = CommEvent(
+            op, tag, nbytes, time.perf_counter(), world_size=self.world_size, ranks=self.ranks, device=t.device.type
+        )
         self.record.append(event)
         return event
 

@@ -194,7 +194,9 @@ _NO_MESSAGE = ("barrier", "all_gather_object", "broadcast_object_list")
 
 
 class _TimedWork:
-    """A work without a future (Gloo's sends and receives): logged when waited on."""
+    """A work without a future (Gloo's sends and receives): logged when waited
+    on (one only polled with ``is_completed()`` is not). Returned only while
+    the logger times the call."""
 
     def __init__(self, work, done) -> None:
         self._work, self._done = work, done
@@ -220,14 +222,21 @@ def _timed(fn):
     def call(*args, prof: bool = False, log_name: str | None = None, debug=None, **kwargs):
         if not comms_logger.wants(name if log_name is None else log_name, prof) or not is_initialized():
             return fn(*args, **kwargs)  # alone: nothing moves, nothing logged
-        bound = signature.bind(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{name}(): {exc}") from None
         bound.apply_defaults()
         message = None if name in _NO_MESSAGE else bound.arguments[_MESSAGE.get(name, "tensor")]
         size = message.numel() * message.element_size() if isinstance(message, Tensor) else 0
-        world = dist.get_world_size(bound.arguments.get("group"))
+        world = dist.get_world_size(bound.arguments.get("group"))  # -1 off the group: not logged
         done = timer(name, size, world, caller_name(2), log_name, prof)
         out = fn(*args, **kwargs)
         if done is None:
+            return out
+        if isinstance(message, Tensor) and message.is_cuda:  # a future completes when the work is queued
+            torch.cuda.synchronize()  # as DeepSpeed's logger: the collective's real end, at a sync's cost
+            done()
             return out
         if out is None or not hasattr(out, "wait"):  # ran to completion (sync; recv returns the sender's rank)
             done()

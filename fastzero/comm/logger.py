@@ -24,26 +24,30 @@ nothing (one rank) are not logged.
 
 The message size of an op is the bytes one rank puts in: an all-reduce's,
 broadcast's or send's tensor, an all-gather's input, a reduce-scatter's
-output (the rank's chunk), an all-to-all's input. Bandwidths follow
-nccl-tests, in Gbit/s, over the group's ranks (DeepSpeed takes the world's):
-algbw is the data moved per second (an all-gather's or reduce-scatter's
-size times the ranks; twice an all-reduce's), busbw scales it to what each
-link carries ((n - 1) / n, or 2 (n - 1) / n for an all-reduce).
+output (the rank's chunk), an all-to-all's input. Bandwidths in Gbit/s over
+the group's ranks: algbw is DeepSpeed's (the size per second, times the
+ranks for an all-gather or reduce-scatter, twice it for an all-reduce),
+busbw nccl-tests' (the size per second times (n - 1) / n, or 2 (n - 1) / n
+for an all-reduce). A device (NCCL) collective's future completes when it
+is queued, so a logged one ends at a ``torch.cuda.synchronize()``, as in
+DeepSpeed.
 
-Where DeepSpeed differs: it enables the logger whenever the config has the
-section, whatever ``enabled`` says (fastzero reads ``enabled``); it stops
-an asynchronous op's timer at launch on the CPU; it counts an
-all-gather-into-tensor as 0 bytes and a reduce-scatter's whole input as its
-per-rank size; and an op outside its bandwidth table (``all_gather_object``)
-exits the process. ``log_summary(show_straggler=True)`` first checks that
-every rank logged the same ops, and raises on every rank if not (DeepSpeed's
-all-reduce of the latency lists would hang or mix ops).
+Where DeepSpeed differs (docs/monitoring.md): it enables the logger
+whenever the config has the section, whatever ``enabled`` says (fastzero
+reads ``enabled``); on the CPU it stops an asynchronous op's timer at
+launch; it counts an all-gather-into-tensor as 0 bytes and a
+reduce-scatter's whole input as its per-rank size; an op outside its
+bandwidth table (``all_gather_object``) exits the process; and its
+straggler breakdown pairs ops in the order each rank logged them.
+``log_summary(show_straggler=True)`` first checks that every rank logged
+the same ops, and raises on every rank if not.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -268,11 +272,15 @@ class CommsLogger:
 
 def _straggler_analysis(data: dict[str, dict[int, list]]) -> dict[str, dict[int, dict]]:
     """Per op: the fastest rank's latency (the communication itself) and
-    how much longer this rank's took (waiting for the slowest to arrive)."""
+    how much longer this rank's took (waiting for the slowest to arrive).
+    Ranks compare their ops sorted by (name, size): the order they were
+    first logged in differs between ranks (a send on one is a receive first
+    on the other; collectives on two groups finish in either order)."""
     dist = torch.distributed
-    ops = [(name, size, v[0]) for name, sizes in data.items() for size, v in sorted(sizes.items())]
-    mins = [list(v[1]) for sizes in data.values() for _, v in sorted(sizes.items())]
+    keys = sorted((name, size) for name, sizes in data.items() for size in sizes)
+    lows = {key: list(data[key[0]][key[1]][1]) for key in keys}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ops = [(name, size, data[name][size][0]) for name, size in keys]
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, ops)
         differ = [r for r, theirs in enumerate(everyone) if theirs != ops]
@@ -283,21 +291,18 @@ def _straggler_analysis(data: dict[str, dict[int, list]]) -> dict[str, dict[int,
                 "the same collectives on every rank (prof_all, or the same prof_ops), or call reset_log() on "
                 "every rank at the same point"
             )
-        flat = torch.tensor([x for lats in mins for x in lats], dtype=torch.float64)
+        flat = torch.tensor([x for key in keys for x in lows[key]], dtype=torch.float64)
         if flat.numel():
-            group_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-            moved = flat.to(group_device) if group_device is not None else flat
+            on_gpu = dist.get_backend() == "nccl"
+            moved = flat.to(torch.device("cuda", torch.cuda.current_device())) if on_gpu else flat
             dist.all_reduce(moved, op=dist.ReduceOp.MIN)
-            flat = moved.cpu()
-        it = iter(flat.tolist())
-        mins = [[next(it) for _ in lats] for lats in mins]
+            it = iter(moved.cpu().tolist())
+            lows = {key: [next(it) for _ in lows[key]] for key in keys}
     out: dict[str, dict[int, dict]] = {}
-    k = 0
     for name, sizes in data.items():
         out[name] = {}
         for size, v in sorted(sizes.items()):
-            lats, low = v[1], mins[k]
-            k += 1
+            lats, low = v[1], lows[(name, size)]
             waits = [a - b for a, b in zip(lats, low, strict=True)]
             out[name][size] = {
                 "count": v[0],
@@ -354,10 +359,25 @@ def configure(
     `deepspeed_config` (a :class:`fastzero.config.Config`, a dict or a
     path), then each argument that is not None. ``initialize`` calls it
     with the config when the section is given."""
-    from fastzero.config import load_section  # the config layer sits beside this one: imported when used
+    from fastzero.config import load_section, read_config_file  # the config layer: imported when used
 
     if deepspeed_config is not None:
-        comms_logger.configure(load_section(deepspeed_config, "comms_logger"))
+        where = ""
+        if isinstance(deepspeed_config, (str, os.PathLike)):
+            where = f"config file {os.fsdecode(deepspeed_config)}: "
+            deepspeed_config = read_config_file(deepspeed_config)
+        try:
+            section = load_section(deepspeed_config, "comms_logger")
+        except ValueError as exc:
+            raise type(exc)(f"{where}{exc}") from None
+        # a file or dict without the section leaves the logger as it is (DeepSpeed's), and so does a Config whose
+        # section is the defaults
+        if isinstance(deepspeed_config, dict):
+            given = "comms_logger" in deepspeed_config
+        else:
+            given = section != type(section)()
+        if given:
+            comms_logger.configure(section)
     for name, value in (("enabled", enabled), ("prof_all", prof_all), ("verbose", verbose), ("debug", debug)):
         if value is None:
             continue
@@ -365,6 +385,7 @@ def configure(
             raise TypeError(f"configure({name}={value!r}): give True or False")
         setattr(comms_logger, name, value)
     if prof_ops is not None:
+        prof_ops = prof_ops if isinstance(prof_ops, str) else list(prof_ops)
         if isinstance(prof_ops, str) or not all(isinstance(op, str) for op in prof_ops):
             raise TypeError(f"configure(prof_ops={prof_ops!r}): give a list of op names, e.g. ['all_reduce']")
         comms_logger.prof_ops = list(prof_ops)

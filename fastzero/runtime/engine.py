@@ -1277,8 +1277,7 @@ def initialize(
     check_start(world, cfg, error, model, part=model.stage_id if pipelined else 0)
     # the comms_logger section configures the communication logger before the engine's first collective
     # (DeepSpeed's dist.configure(config)); without one, a fastzero.comm.configure() the script made stays
-    if cfg.comms_logger != type(cfg.comms_logger)():
-        comms_logging.configure(cfg)
+    comms_logging.configure(cfg)
     kwargs = dict(model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, comm=comm)
     if pipelined:
         from fastzero.runtime.pipe_engine import PipelineEngine  # it builds on this module

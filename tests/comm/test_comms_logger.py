@@ -222,3 +222,64 @@ def test_the_tensor_parallel_layers_collectives(ranks):
         assert out["tp_sequence"] == {"all_gather_into_tensor": {"192": 3}, "reduce_scatter_tensor": {"192": 2}}
         # vocab-parallel cross entropy over 5 rows: the row max, then three sums per row
         assert out["tp_cross_entropy"] == {"all_reduce": {"20": 1, "60": 1}}
+
+
+def test_ops_logged_in_another_order_one_rank_groups_and_bad_calls(ranks):
+    results, _ = ranks
+    for out in results:
+        # rank 0 sends first, rank 1 receives first: the straggler breakdown pairs the ops by name and size
+        assert out["pingpong"] == {"send": [32], "recv": [32]}
+        assert out["one_rank_group"] == {}  # rank 0 alone in its group, rank 1 outside it
+        assert out["bad_call"].startswith("all_reduce(): too many positional arguments")
+
+
+class _Work:
+    """A device collective's work: its future completes when it is queued, wait() returns at once."""
+
+    def __init__(self) -> None:
+        self.future = torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_a_device_collective_is_logged_at_its_wait_after_a_synchronize(fresh, monkeypatch):
+    """NCCL completes a work's future when the work is queued: the logger synchronizes at the first wait (as
+    DeepSpeed's does) and logs then; a CPU collective is logged by its future."""
+    from fastzero.comm.collectives import CommEvent, Handle
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    fresh.enabled = True
+    event = CommEvent("all_reduce", "grad", 4096, __import__("time").perf_counter(), world_size=2, device="cuda")
+    work = _Work()
+    handle = Handle(work, event)
+    work.future.set_result(None)  # queued
+    assert event.done is not None and not fresh.has_data() and not syncs
+    handle.wait()
+    handle.wait()
+    assert syncs == [1] and fresh.get_raw_data()["all_reduce"][4096][0] == 1
+    cpu = CommEvent("reduce_scatter", "grad", 4096, __import__("time").perf_counter(), world_size=2)
+    work = _Work()
+    Handle(work, cpu)
+    work.future.set_result(None)
+    assert fresh.get_raw_data()["reduce_scatter_tensor"][2048][0] == 1 and syncs == [1]  # the chunk, no sync
+
+
+def test_configure_from_files_dicts_and_configs(fresh, tmp_path):
+    dist.configure({"train_batch_size": 2}, enabled=True)  # no section: the logger stays as it is
+    assert fresh.enabled
+    dist.configure(load_config({"train_batch_size": 1}))  # a Config at the defaults: the same
+    assert fresh.enabled
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"comms_logger": {"enabled": False, "prof_ops": ["broadcast"]}}))
+    dist.configure(str(path))
+    assert not fresh.enabled and fresh.prof_ops == ["broadcast"]
+    path.write_text(json.dumps({"comms_logger": {"verbose": "yes"}}))
+    with pytest.raises(ConfigError, match=f"config file {path}: comms_logger.verbose"):
+        dist.configure(path)
+    dist.configure(prof_ops=iter(["all_reduce", "barrier"]))  # any iterable of names
+    assert fresh.prof_ops == ["all_reduce", "barrier"]

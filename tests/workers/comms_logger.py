@@ -161,6 +161,29 @@ try:
 except RuntimeError as exc:
     out["mismatch"] = str(exc)
 
+# -- the same ops logged in another order on each rank: the breakdown still pairs them ----------------------------
+dist.configure(enabled=True, prof_all=True, prof_ops=[], debug=False)
+dist.reset_log()
+ping = torch.full((8,), float(rank))
+if rank == 0:
+    dist.send(ping, 1)
+    dist.recv(ping, 1)
+else:
+    dist.recv(ping, 0)
+    dist.send(ping, 0)
+pingpong = dist.log_summary(show_straggler=True, return_dict=True)["straggler_analysis"]
+out["pingpong"] = {name: sorted(sizes) for name, sizes in pingpong.items()}
+
+# -- a group of one rank moves nothing; a rank outside a group takes no part: neither is logged ---------------------
+only0 = dist.new_group([0])
+dist.reset_log()
+dist.all_reduce(torch.ones(4), group=only0)
+out["one_rank_group"] = raw()
+try:
+    dist.all_reduce(torch.ones(4), 1, 2, 3, 4)
+except TypeError as exc:
+    out["bad_call"] = str(exc)
+
 # -- the tensor-parallel layers' collectives (the whole world as the tensor group) -----------------------------------
 from fastzero.parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy  # noqa: E402
 
