@@ -1318,3 +1318,6 @@ def initialize(
         checkpointing.configure(parallel, deepspeed_config=cfg)  # its tensor group partitions the activations
     engine.config = config  # as DeepSpeed's engine: the config given (the model's own: engine.module.config)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name, at its path (deepspeed.runtime.engine.DeepSpeedEngine)

@@ -286,3 +286,15 @@ SCHEDULES = {
     "OneCycle": OneCycle,
     "LRRangeTest": LRRangeTest,
 }
+
+# DeepSpeed's names of the schedules (``deepspeed.runtime.lr_schedules``), which scripts and Hugging Face check
+# a scheduler type against
+LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
+    "LRRangeTest",
+    "OneCycle",
+    "WarmupLR",
+    "WarmupDecayLR",
+    "WarmupCosineLR",
+)
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+assert set(VALID_LR_SCHEDULES) == set(SCHEDULES)

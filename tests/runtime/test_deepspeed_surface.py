@@ -355,3 +355,67 @@ def test_get_accelerator_answers_as_deepspeeds_cpu_accelerator(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "tpu")
     with pytest.raises(ValueError, match="DS_ACCELERATOR='tpu'"):
         acc.get_accelerator()
+
+
+# DeepSpeed module paths that training scripts reach through `import fastzero as deepspeed`, as attributes only
+DS_PATHS = {
+    "ops.adam.DeepSpeedCPUAdam": "fastzero.ops.adam.optimizers.CPUAdam",
+    "runtime.engine.DeepSpeedEngine": "fastzero.runtime.engine.Engine",
+    "runtime.utils.see_memory_usage": "fastzero.runtime.utils.see_memory_usage",
+    "runtime.activation_checkpointing.checkpointing.checkpoint": "fastzero.parallel.checkpointing.checkpoint",
+    "runtime.activation_checkpointing.checkpointing.get_cuda_rng_tracker": "fastzero.parallel.rng.get_cuda_rng_tracker",
+    "runtime.pipe.topology.PipeModelDataParallelTopology": "fastzero.parallel.topology.PipeModelDataParallelTopology",
+    "runtime.pipe.topology.PipeDataParallelTopology": "fastzero.parallel.topology.PipeDataParallelTopology",
+    "runtime.pipe.ProcessTopology": "fastzero.parallel.topology.ProcessTopology",
+    "runtime.pipe.PipelineModule": "fastzero.pipe.module.PipelineModule",
+    "runtime.pipe.module.TiedLayerSpec": "fastzero.pipe.module.TiedLayerSpec",
+    "runtime.pipe.engine.PipelineEngine": "fastzero.runtime.pipe_engine.PipelineEngine",
+}
+
+
+def test_deepspeeds_module_paths_reach_the_same_objects():
+    """In a fresh process (nothing imported but fastzero), each DeepSpeed path resolves attribute by attribute to
+    fastzero's object, and the schedules' names are DeepSpeed's."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import importlib, json
+import fastzero as deepspeed
+out = {{}}
+for path, where in {DS_PATHS!r}.items():
+    obj = deepspeed
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    module, name = where.rsplit(".", 1)
+    out[path] = obj is getattr(importlib.import_module(module), name)
+out["schedules"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
+print(json.dumps(out))
+"""
+    got = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert got.pop("schedules") == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    assert got == dict.fromkeys(DS_PATHS, True)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        fastzero.runtime.nothing  # noqa: B018
+
+
+def test_see_memory_usage_prints_deepspeeds_lines_only_when_forced(capsys, monkeypatch):
+    from fastzero.runtime.utils import see_memory_usage
+
+    see_memory_usage("quiet")
+    assert capsys.readouterr().out == ""
+    keep = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB resident while it prints
+    see_memory_usage("after building the model", force=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "after building the model"
+    ma = lines[1].split()
+    assert ma[0] == "MA" and ma[2:4] == ["GB", "Max_MA"] and ma[5:7] == ["GB", "CA"] and ma[8:10] == ["GB", "Max_CA"]
+    assert float(ma[1]) >= keep.numel() * 4 / 1024**3 - 0.01 and float(ma[4]) >= float(ma[1]) - 0.01
+    assert float(ma[7]) == 0.0  # the CPU reserves nothing apart
+    assert lines[2].startswith("CPU Virtual Memory:  used = ") and lines[2].endswith("%")
+    # with a process group, only rank 0 prints
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    see_memory_usage("rank 1", force=True)
+    assert capsys.readouterr().out == ""
