@@ -229,33 +229,22 @@ class CommsLogger:
         "metadata"}`` with `return_dict`."""
         data = self._snapshot()
         summary = {name: self._summary(sizes) for name, sizes in data.items()}
-        col = 20
         if print_log:
-            heads = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)")
-            print("".join(f"{h: <{col}}" for h in (*heads, "tput_avg (Gbps)", "busbw_avg (Gbps)")))
-            for name, sizes in summary.items():
-                print(name)
-                for s in sizes.values():
-                    print(
-                        f"{' ': <{col}}{s['msg_size_str']: <{col}}{s['count']: <{col}}"
-                        f"{s['total_latency_ms']: <{col}.2f}{s['avg_latency_ms']: <{col}.2f}"
-                        f"{s['tput_avg_gbps']: <{col}.2f}{s['busbw_avg_gbps']: <{col}.2f}"
-                    )
+            _print_table(
+                summary,
+                ("Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)", "busbw_avg (Gbps)"),
+                ("total_latency_ms", "avg_latency_ms", "tput_avg_gbps", "busbw_avg_gbps"),
+            )
         stragglers = _straggler_analysis(data) if show_straggler else None
         if print_log and stragglers is not None:
             print("_______________________________")
             print("Breakdown with straggler effect")
             print("-------------------------------")
-            heads = ("Comm. Op", "Message Size", "Count", "Total comm lat(ms)", "Total straggler(ms)")
-            print("".join(f"{h: <{col}}" for h in (*heads, "Avg comm lat(ms)", "Avg straggler(ms)")))
-            for name, sizes in stragglers.items():
-                print(name)
-                for s in sizes.values():
-                    print(
-                        f"{' ': <{col}}{s['msg_size_str']: <{col}}{s['count']: <{col}}"
-                        f"{s['total_comm_lat_ms']: <{col}.2f}{s['total_straggler_ms']: <{col}.2f}"
-                        f"{s['avg_comm_lat_ms']: <{col}.2f}{s['avg_straggler_ms']: <{col}.2f}"
-                    )
+            _print_table(
+                stragglers,
+                ("Total comm lat(ms)", "Total straggler(ms)", "Avg comm lat(ms)", "Avg straggler(ms)"),
+                ("total_comm_lat_ms", "total_straggler_ms", "avg_comm_lat_ms", "avg_straggler_ms"),
+            )
         if not return_dict:
             return None
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -268,6 +257,17 @@ class CommsLogger:
                 "timestamp": datetime.now().isoformat(),
             },
         }
+
+
+def _print_table(rows: dict[str, dict[int, dict]], heads: tuple[str, ...], keys: tuple[str, ...]) -> None:
+    """DeepSpeed's layout: columns of 20, a line per op name, then one per message size."""
+    col = 20
+    print("".join(f"{h: <{col}}" for h in ("Comm. Op", "Message Size", "Count", *heads)))
+    for name, sizes in rows.items():
+        print(name)
+        for s in sizes.values():
+            figures = "".join(f"{s[k]: <{col}.2f}" for k in keys)
+            print(f"{' ': <{col}}{s['msg_size_str']: <{col}}{s['count']: <{col}}{figures}")
 
 
 def _straggler_analysis(data: dict[str, dict[int, list]]) -> dict[str, dict[int, dict]]:
