@@ -45,24 +45,36 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
     "all_to_all_single",
+    "allgather_fn",
     "barrier",
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
     "gather",
+    "get_all_ranks_from_group",
     "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_group",
     "get_world_size",
+    "has_all_gather_into_tensor",
+    "has_all_reduce_coalesced",
+    "has_coalescing_manager",
+    "has_reduce_scatter_tensor",
+    "inference_all_reduce",
     "irecv",
     "is_available",
     "is_initialized",
     "isend",
+    "monitored_barrier",
     "new_group",
     "recv",
     "reduce",
+    "reduce_scatter",
+    "reduce_scatter_fn",
     "reduce_scatter_tensor",
     "scatter",
     "send",
@@ -189,8 +201,23 @@ def destroy_process_group(group=None) -> None:
 # --- the communication logger's timing ---------------------------------------------------------
 
 # the argument whose bytes are an op's message: what one rank puts in (fastzero.comm.logger); none: 0 bytes
-_MESSAGE = {"all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "output_tensor"}
-_NO_MESSAGE = ("barrier", "all_gather_object", "broadcast_object_list")
+_MESSAGE = {
+    "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter_tensor": "output_tensor",
+    "reduce_scatter": "output",
+    "all_to_all": "input_tensor_list",
+    "all_reduce_coalesced": "tensors",
+}
+_NO_MESSAGE = ("barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list")
+
+
+def _nbytes(message) -> int:
+    """A tensor's bytes, or a list's of tensors together."""
+    if isinstance(message, Tensor):
+        return message.numel() * message.element_size()
+    if isinstance(message, (list, tuple)):
+        return sum(_nbytes(t) for t in message)
+    return 0
 
 
 class _TimedWork:
@@ -228,13 +255,14 @@ def _timed(fn):
             raise TypeError(f"{name}(): {exc}") from None
         bound.apply_defaults()
         message = None if name in _NO_MESSAGE else bound.arguments[_MESSAGE.get(name, "tensor")]
-        size = message.numel() * message.element_size() if isinstance(message, Tensor) else 0
+        size = _nbytes(message)
         world = dist.get_world_size(bound.arguments.get("group"))  # -1 off the group: not logged
         done = timer(name, size, world, caller_name(2), log_name, prof)
         out = fn(*args, **kwargs)
         if done is None:
             return out
-        if isinstance(message, Tensor) and message.is_cuda:  # a future completes when the work is queued
+        first = message[0] if isinstance(message, (list, tuple)) and message else message
+        if isinstance(first, Tensor) and first.is_cuda:  # a future completes when the work is queued
             torch.cuda.synchronize()  # as DeepSpeed's logger: the collective's real end, at a sync's cost
             done()
             return out
@@ -379,6 +407,128 @@ def broadcast_object_list(object_list: list, src: int = 0, group=None, device: t
         _root("broadcast_object_list", "src", src)
         return None
     return dist.broadcast_object_list(object_list, src, group=group, device=device)
+
+
+@_timed
+def all_to_all(output_tensor_list: list[Tensor], input_tensor_list: list[Tensor], group=None, async_op=False):
+    """Rank r's ``input_tensor_list[j]`` lands in rank j's ``output_tensor_list[r]``."""
+    if _alone("all_to_all", group):
+        _one("all_to_all", output_tensor_list, "output_tensor_list")
+        _one("all_to_all", input_tensor_list, "input_tensor_list")
+        _copy("all_to_all", output_tensor_list[0], input_tensor_list[0])
+        return _result(async_op)
+    return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+
+
+@_timed
+def reduce_scatter(output: Tensor, input_list: list[Tensor], op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """Rank r's `output` becomes the reduction of every rank's ``input_list[r]``."""
+    if _alone("reduce_scatter", group):
+        _one("reduce_scatter", input_list, "input_list")
+        _copy("reduce_scatter", output, input_list[0])
+        return _result(async_op)
+    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+
+
+@_timed
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
+    """A barrier that names the ranks that did not arrive within `timeout` (Gloo only, as torch's)."""
+    if _alone("monitored_barrier", group):
+        return None
+    return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+class _Then:
+    """A work whose result needs one more local step once it completes (copying a flat buffer back)."""
+
+    def __init__(self, work, then) -> None:
+        self._work, self._then = work, then
+
+    def wait(self, *args, **kwargs) -> bool:
+        self._work.wait(*args, **kwargs)
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._then is None
+
+    def get_future(self):
+        return self._work.get_future()
+
+
+@_timed
+def all_reduce_coalesced(tensors: list[Tensor], op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """Each of `tensors` becomes its reduction over the ranks, in one
+    collective: flattened into one buffer (they must share a dtype and
+    device), reduced, copied back (with `async_op`, when the work is waited on)."""
+    tensors = list(tensors)
+    if not tensors:
+        return _result(async_op)
+    kinds = {(t.dtype, t.device) for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError(f"all_reduce_coalesced: the tensors are of {len(kinds)} dtypes/devices; give one of each")
+    if _alone("all_reduce_coalesced", group):
+        return _result(async_op)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    work = dist.all_reduce(flat, op=op, group=group, async_op=async_op)
+
+    def copy_back() -> None:
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    if not async_op:
+        copy_back()
+        return None
+    return _Then(work, copy_back)
+
+
+@_timed
+def inference_all_reduce(tensor: Tensor, op=ReduceOp.SUM, group=None):
+    """DeepSpeed's inference all-reduce: `tensor` summed in place over the
+    group (returns it, as DeepSpeed does, on a group of one rank)."""
+    if _alone("inference_all_reduce", group) or dist.get_world_size(group) <= 1:
+        return tensor
+    return dist.all_reduce(tensor, op=op, group=group)
+
+
+def reduce_scatter_fn(output_tensor: Tensor, tensor: Tensor, op=ReduceOp.SUM, group=None, async_op=False, **log):
+    """DeepSpeed's helper: :func:`reduce_scatter_tensor` (which every supported torch has)."""
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op, **log)
+
+
+def allgather_fn(output_tensor: Tensor, input_tensor: Tensor, group=None, async_op=False, **log):
+    """DeepSpeed's helper: :func:`all_gather_into_tensor` (which every supported torch has)."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op, **log)
+
+
+def get_all_ranks_from_group(group=None) -> list[int]:
+    """The global ranks of `group` (the default group when None), in group-rank order; ``[0]`` alone."""
+    if is_initialized():
+        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    _alone("get_all_ranks_from_group", group)
+    return [0]
+
+
+def has_all_gather_into_tensor() -> bool:
+    return True
+
+
+def has_reduce_scatter_tensor() -> bool:
+    return True
+
+
+def has_all_reduce_coalesced() -> bool:
+    """True: :func:`all_reduce_coalesced` works on every backend (one flat all-reduce)."""
+    return True
+
+
+def has_coalescing_manager() -> bool:
+    """Whether this torch has ``distributed_c10d._coalescing_manager`` (DeepSpeed's check)."""
+    return hasattr(dist.distributed_c10d, "_coalescing_manager")
 
 
 # --- point to point -------------------------------------------------------------------------

@@ -167,8 +167,10 @@ def test_every_functional_collective_is_logged_once_with_its_bytes(ranks):
             "isend": {"256": 1},  # Gloo's sends have no future: logged when waited on
             "irecv": {"256": 1},
             "barrier": {"0": 1},
+            "all_to_all": {"128": 1},  # a list's tensors together
+            "all_reduce_coalesced": {"128": 1},
         }, r
-        assert out["count"] == 9 and out["positive"]
+        assert out["count"] == 11 and out["positive"]
         assert out["summary_4096"] == {"count": 3, "msg_size_bytes": 4096, "msg_size_str": "4.0 KB"}
 
 

@@ -67,6 +67,31 @@ def test_single_process_copies(alone):
     assert objs == [{"a": 1}]
 
 
+def test_single_process_deepspeeds_other_collectives(alone):
+    x = torch.arange(4.0)
+    got = [torch.empty(4)]
+    dist.all_to_all(got, [x])
+    assert torch.equal(got[0], x)
+    piece = torch.empty(4)
+    dist.reduce_scatter(piece, [x])
+    assert torch.equal(piece, x)
+    a, b = x.clone(), torch.ones(2)
+    assert dist.all_reduce_coalesced([a, b]) is None and torch.equal(a, x) and torch.equal(b, torch.ones(2))
+    assert dist.all_reduce_coalesced([a], async_op=True).wait()
+    assert dist.inference_all_reduce(a) is a
+    flat = torch.empty(4)
+    dist.allgather_fn(flat, x)
+    dist.reduce_scatter_fn(piece, x)
+    assert torch.equal(flat, x) and torch.equal(piece, x)
+    assert dist.monitored_barrier() is None and dist.get_all_ranks_from_group() == [0]
+    assert dist.has_all_gather_into_tensor() and dist.has_reduce_scatter_tensor() and dist.has_all_reduce_coalesced()
+    assert isinstance(dist.has_coalescing_manager(), bool)
+    with pytest.raises(ValueError, match="2 dtypes/devices"):
+        dist.all_reduce_coalesced([x, torch.ones(2, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="exactly 1"):
+        dist.all_to_all([x, x], [x, x])
+
+
 def test_single_process_refusals(alone):
     t = torch.zeros(2)
     with pytest.raises(ValueError, match="only rank of a single process is 0"):
@@ -133,3 +158,10 @@ def test_two_ranks_match_torch_distributed():
         assert out["reduce_scatter_tensor"] == [[0.0, 3.0], [6.0, 9.0]][r]
         assert out["global_rank_of_1"] == 1
         assert out["after_destroy"] is False
+        # DeepSpeed's other collectives: rank r's j-th input (10 r + j) lands in rank j's r-th output
+        assert out["all_to_all"] == [[10.0 * j + r] * 2 for j in range(2)]
+        assert out["reduce_scatter"] == [3.0 * (r + 1)] * 2  # sum over ranks q of (q + 1) * (r + 1)
+        assert out["coalesced"] == [[1.0] * 4, [3.0] * 3] and out["coalesced_async"] == [[2.0, 2.0], [1.0]]
+        assert out["inference_all_reduce"] == [3.0, 3.0]
+        assert out["fns"] == [[[1.0], [3.0]][r], [0.0, 1.0]]  # arange(2) + rank summed: [1, 3]; rank r keeps r
+        assert out["all_ranks"] == [0, 1] and out["has"] == [True, True, True]
