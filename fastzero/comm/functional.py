@@ -452,6 +452,8 @@ class _Then:
         return True
 
     def is_completed(self) -> bool:
+        if self._then is not None and self._work.is_completed():
+            self.wait()  # done: take the local step now, so polling alone sees the result
         return self._then is None
 
     def get_future(self):

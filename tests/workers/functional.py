@@ -45,8 +45,10 @@ dist.all_reduce_coalesced([a, b])
 out["coalesced"] = [a.flatten().tolist(), b.tolist()]
 a, b = torch.full((2,), 1.0), torch.full((1,), float(rank))
 work = dist.all_reduce_coalesced([a, b], async_op=True)
-work.wait()
+while not work.is_completed():  # polling alone brings the result
+    pass
 out["coalesced_async"] = [a.tolist(), b.tolist()]
+work.wait()
 t = torch.full((2,), float(rank + 1))
 dist.inference_all_reduce(t)
 out["inference_all_reduce"] = t.tolist()
