@@ -4,11 +4,12 @@ call: :func:`see_memory_usage`."""
 from __future__ import annotations
 
 import gc
+import os
+import resource
 
 import torch
 
-from fastzero.accelerator import get_accelerator
-from fastzero.runtime.memory_usage import GB, host_memory_used
+from fastzero.runtime.memory_usage import GB, host_memory_used, process_rss_bytes
 
 __all__ = ["see_memory_usage"]
 
@@ -28,17 +29,20 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     gc.collect()  # what Python still holds but no longer uses would count
-    acc = get_accelerator()
     gb = lambda n: round(n / GB, 2)  # noqa: E731
-    cuda = acc.device_name() == "cuda"
-    reserved = torch.cuda.memory_reserved() if cuda else 0
-    max_reserved = torch.cuda.max_memory_reserved() if cuda else 0
+    # the accelerator's choice (fastzero.accelerator, an entry point above this layer): CUDA unless told cpu
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    if cuda:
+        allocated, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        reserved, max_reserved = torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()
+    else:  # the process's resident set and its peak; the CPU reserves nothing apart
+        allocated = process_rss_bytes() or 0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        reserved = max_reserved = 0
     print(message)
-    print(
-        f"MA {gb(acc.memory_allocated())} GB Max_MA {gb(acc.max_memory_allocated())} GB "
-        f"CA {gb(reserved)} GB Max_CA {gb(max_reserved)} GB"
-    )
+    print(f"MA {gb(allocated)} GB Max_MA {gb(peak)} GB CA {gb(reserved)} GB Max_CA {gb(max_reserved)} GB")
     host = host_memory_used()
     if host is not None:
         print(f"CPU Virtual Memory:  used = {gb(host[0])} GB, percent = {host[1]}%")
-    acc.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
