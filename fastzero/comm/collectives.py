@@ -170,12 +170,16 @@ _LOG_NAMES = {
 }
 
 
-def _log(event: CommEvent, end: float) -> None:
+def _log(event: CommEvent, synchronize: bool = False) -> None:
     """A finished collective to the communication logger (fastzero.comm.logger), if it wants it: timed from
-    launch to `end`, its message the bytes one rank puts in (a reduce-scatter's chunk)."""
+    launch to completion (`synchronize`: a device collective, whose end is a torch.cuda.synchronize(), as in
+    DeepSpeed's logger), its message the bytes one rank puts in (a reduce-scatter's chunk)."""
     name = _LOG_NAMES.get(event.op, event.op)
     if not comms_logger.wants(name):
         return
+    if synchronize:
+        torch.cuda.synchronize()
+    end = time.perf_counter() if synchronize else event.done
     size = event.nbytes // event.world_size if event.op == "reduce_scatter" else event.nbytes
     record = comms_logger.record_name(name, f"fastzero:{event.tag}" if event.tag else "fastzero")
     comms_logger.append(name, record, (end - event.launched) * 1e3, size, event.world_size)
@@ -200,7 +204,7 @@ class Handle:
         if self.event.done is None:
             self.event.done = time.perf_counter()
             if self.event.device == "cpu":  # a device collective's future completes when it is queued
-                _log(self.event, self.event.done)
+                _log(self.event)
 
     def wait(self, site: str = "") -> None:
         """Blocks until done; the time blocked is added to the event's
@@ -213,9 +217,7 @@ class Handle:
             self._mark()
             if self.event.device == "cuda" and not self._logged:
                 self._logged = True
-                if comms_logger.wants(_LOG_NAMES.get(self.event.op, self.event.op)):
-                    torch.cuda.synchronize()  # as DeepSpeed's logger: the collective's real end, at a sync's cost
-                    _log(self.event, time.perf_counter())
+                _log(self.event, synchronize=True)
             if self._finish is not None:
                 finish, self._finish = self._finish, None
                 finish()

@@ -66,7 +66,7 @@ _ALL_REDUCE = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce")
 
 def _factors(op: str, n: int) -> tuple[float, float]:
     if op in _GATHERS:
-        return n, n * (n - 1) / n
+        return n, n - 1
     if op in _ALL_TO_ALL:
         return 1.0, (n - 1) / n
     if op in _ALL_REDUCE:

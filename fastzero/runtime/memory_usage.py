@@ -27,6 +27,11 @@ def process_rss_bytes() -> int | None:
         return None
 
 
+def process_peak_rss_bytes() -> int:
+    """This process's largest resident set so far (getrusage; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def host_memory_used() -> tuple[int, float] | None:
     """(bytes used, percent used) of the host's memory, as psutil's
     ``virtual_memory()`` counts them (total - available), from /proc/meminfo."""
@@ -55,7 +60,7 @@ def memory_usage_lines(engine, message: str) -> list[str]:
     if host is not None:
         lines.append(f"CPU Virtual Memory:  used = {gb(host[0])} GB, percent = {host[1]}%")
     rss = process_rss_bytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = process_peak_rss_bytes()
     lines.append(f"Process RSS {'n/a' if rss is None else gb(rss)} GB Max_RSS {gb(peak)} GB")
     states = engine.memory_breakdown()
     listed = ", ".join(f"{kind} {n}" for kind, n in states.items())

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 
 import torch
 
-from fastzero.runtime.memory_usage import GB, host_memory_used, process_rss_bytes
+from fastzero.runtime.memory_usage import GB, host_memory_used, process_peak_rss_bytes, process_rss_bytes
 
 __all__ = ["see_memory_usage"]
 
@@ -37,7 +36,7 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         reserved, max_reserved = torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()
     else:  # the process's resident set and its peak; the CPU reserves nothing apart
         allocated = process_rss_bytes() or 0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        peak = process_peak_rss_bytes()
         reserved = max_reserved = 0
     print(message)
     print(f"MA {gb(allocated)} GB Max_MA {gb(peak)} GB CA {gb(reserved)} GB Max_CA {gb(max_reserved)} GB")
